@@ -144,6 +144,8 @@ def check_args(args: Args, world_size: int = 1):
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
              f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
     check_env_id(args.env_id)
+    if args.capture_video and args.env_backend == "ale":
+        fail("--capture-video needs the Python wrappers: add --env-backend sync (or async)")
 
 
 def check_env_id(env_id: str):
@@ -320,9 +322,45 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     return thunk
 
 
+class AleGames(gym.vector.VectorWrapper):
+    """For ale-py's C++ AtariVectorEnv: clips rewards here (its own clipping would hide the raw
+    score) and reports full games as the gymnasium backends do, in info["final_info"]["episode"].
+    A game is over on truncation, or on a termination without a life lost (the same-step reset
+    has already restored the lives)."""
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self.lives = info["lives"].copy()
+        self.returns, self.lengths = np.zeros(self.num_envs), np.zeros(self.num_envs, np.int64)
+        return obs, info
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(np.asarray(actions, np.int64))
+        self.returns += reward
+        self.lengths += 1
+        over = truncated | (terminated & (info["lives"] >= self.lives))
+        self.lives = info["lives"].copy()
+        if over.any():
+            info["final_info"] = {"episode": {"r": self.returns.copy(), "l": self.lengths.copy()},
+                                  "_episode": over}
+            self.returns[over], self.lengths[over] = 0, 0
+        return obs, np.sign(reward).astype(np.float32), terminated, truncated, info
+
+
 def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game=False):
     """The vector env. Same-step autoreset: a finished env is reset inside step(), the returned
     obs is the new episode's first, and no transition of the reset enters the batch."""
+    if args.env_backend == "ale":
+        # The same preprocessing in C++ threads, with two differences (README): no FIRE after a
+        # lost life, and the first frame stack of a game is padded with zeros.
+        kwargs = gym.spec(args.env_id).kwargs
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return AleGames(ale_py.vector_env.AtariVectorEnv(
+            kwargs["game"], args.num_envs, num_threads=threads, autoreset_mode="SameStep",
+            repeat_action_probability=kwargs.get("repeat_action_probability", 0.0),
+            max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", 108_000),
+            frameskip=4, noop_max=30, use_fire_reset=True, episodic_life=False,
+            life_loss_info=True, reward_clipping=False))
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
               for i in range(args.num_envs)]
     vector_env = gym.vector.AsyncVectorEnv if args.env_backend == "async" else gym.vector.SyncVectorEnv

@@ -1,0 +1,58 @@
+"""The command line: --help is clean, bad input fails with one line, exit 2, and nothing on disk."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPT
+
+
+def test_help_is_clean_with_user_warnings_as_errors(tmp_path):
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", SCRIPT, "--help"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--env-id", "--total-timesteps", "--anneal-clip", "--no-anneal-clip",
+                 "--target-kl", "--resume", "--eval-checkpoint", "--precision"):
+        assert flag in out.stdout
+    assert "--batch-size" not in out.stdout and "--num-iterations" not in out.stdout
+    assert not os.path.exists(tmp_path / "runs")
+
+
+BAD = {
+    "minibatches": (["--num-minibatches", "3"], "--num-minibatches 3 does not divide"),
+    "num_envs": (["--num-envs", "0"], "--num-envs must be a positive integer"),
+    "num_steps": (["--num-steps", "-5"], "--num-steps must be a positive integer"),
+    "negative_lr": (["--learning-rate", "-0.001"], "--learning-rate must be positive"),
+    "zero_lr": (["--learning-rate", "0"], "--learning-rate must be positive"),
+    "unknown_env": (["--env-id", "BreakoutNoFrameskip-v5"], "did you mean BreakoutNoFrameskip-v4"),
+    "non_atari": (["--env-id", "CartPole-v1"], "is not an Atari image environment"),
+    "tiny_budget": (["--total-timesteps", "10"], "--total-timesteps 10 is less than one batch"),
+    "missing_resume": (["--resume", "no/such/run"], "no checkpoint at no/such/run"),
+    "missing_eval": (["--eval-checkpoint", "nothing.pt"], "no checkpoint at nothing.pt"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Starts every bad-input run at once (each pays torch's import time) and collects them."""
+    procs = {}
+    for name, (args, _) in BAD.items():
+        cwd = tmp_path_factory.mktemp(name)
+        (cwd / "keep.txt").write_text("precious")
+        procs[name] = (cwd, subprocess.Popen(
+            [sys.executable, SCRIPT, *args, "--no-cuda"], cwd=cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    return {name: (cwd, *p.communicate(timeout=300), p.returncode)
+            for name, (cwd, p) in procs.items()}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_fails_with_one_clear_line(bad_runs, name):
+    cwd, stdout, stderr, code = bad_runs[name]
+    lines = [line for line in stderr.splitlines() if not line.startswith(("A.L.E", "[Powered"))]
+    assert code == 2, stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert BAD[name][1] in lines[0]
+    assert "Traceback" not in stderr + stdout
+    assert sorted(os.listdir(cwd)) == ["keep.txt"] and (cwd / "keep.txt").read_text() == "precious"

@@ -1,0 +1,116 @@
+"""compute_gae against hand-computed cases and a plain reference; ppo_loss on crafted inputs."""
+import numpy as np
+import pytest
+import torch
+
+import ppo_atari as P
+
+
+def reference_gae(rewards, values, dones, next_value, gamma, lam):
+    """Straight from the definition: A_t = sum_l (gamma*lam)^l delta_{t+l}, cut at a done."""
+    T, N = rewards.shape
+    values_ext = np.vstack([values, next_value[None]])
+    adv = np.zeros((T, N))
+    for n in range(N):
+        for t in range(T):
+            total, discount = 0.0, 1.0
+            for k in range(t, T):
+                nonterminal = 1.0 - dones[k, n]
+                delta = rewards[k, n] + gamma * values_ext[k + 1, n] * nonterminal - values[k, n]
+                total += discount * delta
+                if dones[k, n]:
+                    break
+                discount *= gamma * lam
+            adv[t, n] = total
+    return adv
+
+
+def gae(rewards, values, dones, next_value, gamma, lam):
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    a, r = P.compute_gae(t(rewards), t(values), t(dones), t(next_value), gamma, lam)
+    return a.numpy(), r.numpy()
+
+
+def test_hand_computed_done_mid_rollout():
+    # rewards 1 each step, values 0, episode ends after step 1, bootstrap value 10
+    adv, ret = gae([[1.0], [1.0], [1.0]], [[0.0], [0.0], [0.0]], [[0.0], [1.0], [0.0]], [10.0],
+                   gamma=0.9, lam=1.0)
+    np.testing.assert_allclose(adv[:, 0], [1.9, 1.0, 10.0])
+    np.testing.assert_allclose(ret, adv)  # values are zero
+
+
+def test_hand_computed_done_at_last_step_ignores_bootstrap():
+    adv, ret = gae([[0.0], [2.0]], [[1.0], [0.5]], [[0.0], [1.0]], [100.0], gamma=0.5, lam=0.5)
+    # t=1: 2 - 0.5 = 1.5 (no bootstrap); t=0: 0 + 0.5*0.5 - 1 + 0.25*1.5 = -0.375
+    np.testing.assert_allclose(adv[:, 0], [-0.375, 1.5])
+    np.testing.assert_allclose(ret[:, 0], [0.625, 2.0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_reference_on_random_rollouts(seed):
+    rng = np.random.default_rng(seed)
+    T, N = 16, 3
+    rewards, values = rng.normal(size=(T, N)), rng.normal(size=(T, N))
+    dones = (rng.random((T, N)) < 0.2).astype(float)
+    dones[-1, 0] = 1.0
+    next_value = rng.normal(size=N)
+    adv, ret = gae(rewards, values, dones, next_value, 0.99, 0.95)
+    np.testing.assert_allclose(adv, reference_gae(rewards, values, dones, next_value, 0.99, 0.95),
+                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ret, adv + values)
+
+
+def test_first_minibatch_has_ratio_one_no_clipping_no_kl():
+    torch.manual_seed(0)
+    agent = P.Agent(4)
+    obs = torch.randint(0, 256, (32, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        actions, logprobs, values = P.policy_step(agent, obs)
+    args = P.Args()
+    advantages, returns = torch.randn(32), torch.randn(32)
+    loss, m = P.minibatch_loss(agent, obs, actions, logprobs, advantages, returns, values,
+                               torch.tensor(0.1), args)
+    pg_loss, v_loss, entropy, old_kl, kl, clipfrac, v_clipfrac = m.tolist()
+    assert abs(old_kl) < 1e-6 and abs(kl) < 1e-6 and clipfrac == 0.0 and v_clipfrac == 0.0
+    # ratio 1 and normalized advantages (mean 0): the surrogate is 0
+    assert abs(pg_loss) < 1e-5
+    assert 0 < entropy <= np.log(4) + 1e-6
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in agent.parameters())
+
+
+def crafted(ratio, advantage, newvalue=0.0, value=0.0, ret=0.0, clip=0.2, clip_vloss=True):
+    logprob = torch.zeros(1)
+    newlogprob = torch.log(torch.tensor([ratio])).requires_grad_()
+    newv = torch.tensor([newvalue], requires_grad=True)
+    loss, m = P.ppo_loss(newlogprob, torch.zeros(1), newv, logprob, torch.tensor([advantage]),
+                         torch.tensor([ret]), torch.tensor([value]), clip, norm_adv=False,
+                         clip_vloss=clip_vloss, ent_coef=0.0, vf_coef=1.0)
+    loss.backward()
+    return m, newlogprob.grad.item(), newv.grad.item()
+
+
+@pytest.mark.parametrize("ratio, advantage, expected, clipped", [
+    (1.5, 2.0, -2.0 * 1.2, True),     # good action pushed too far up: gain capped at 1+clip
+    (0.5, -2.0, 2.0 * 0.8, True),     # bad action pushed too far down: capped at 1-clip
+    (0.5, 2.0, -2.0 * 0.5, False),    # good action made less likely: pessimistic, unclipped
+    (1.5, -2.0, 2.0 * 1.5, False),    # bad action made more likely: pessimistic, unclipped
+    (1.1, 1.0, -1.1, False),          # inside the trust region
+])
+def test_surrogate_clipping(ratio, advantage, expected, clipped):
+    m, grad, _ = crafted(ratio, advantage)
+    assert m[0].item() == pytest.approx(expected, rel=1e-5)
+    assert m[5].item() == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
+    # a clipped term passes no gradient to the policy
+    assert (grad == 0.0) == clipped
+
+
+def test_value_clipping():
+    # value moved 0 -> 0.5 towards the return 1; clip 0.2 keeps the pessimistic (clipped) error
+    m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0)
+    assert m[1].item() == pytest.approx(0.5 * 0.8 ** 2) and m[6].item() == 1.0
+    assert vgrad == 0.0
+    m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0, clip_vloss=False)
+    assert m[1].item() == pytest.approx(0.5 * 0.5 ** 2) and vgrad == pytest.approx(-0.5)
+    m, _, _ = crafted(1.0, 0.0, newvalue=0.1, value=0.0, ret=1.0)  # inside: unclipped error
+    assert m[1].item() == pytest.approx(0.5 * 0.9 ** 2) and m[6].item() == 0.0

@@ -1,0 +1,98 @@
+"""End to end: the file alone in an empty folder, TensorBoard read back, determinism, learning."""
+import os
+import shutil
+import subprocess
+import sys
+
+import gymnasium as gym
+import numpy as np
+
+import ppo_atari as P
+from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
+
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/SPS",
+        "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
+        "losses/approx_kl", "losses/clipfrac", "losses/explained_variance",
+        "charts/avg_episodic_return", "losses/value_clipfrac", "charts/rollout_time",
+        "charts/update_time"]
+
+
+def test_file_alone_trains_and_logs_every_tag(tmp_path):
+    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
+    assert os.listdir(tmp_path) == ["ppo_atari.py"]
+    out = run_script([*TINY, "--num-steps", "64", "--total-timesteps", "512"], cwd=tmp_path,
+                     script=str(tmp_path / "ppo_atari.py"))
+    assert out.returncode == 0, out.stderr
+    assert "note: CUDA is not available" not in out.stdout  # --no-cuda asked for the CPU
+    assert "step 512/512" in out.stdout  # the last progress line, plain when not a terminal
+    (run,) = run_dirs(tmp_path)
+    assert os.path.basename(run).startswith("BreakoutNoFrameskip-v4__ppo_atari__1__")
+    logged = scalars(run)
+    assert set(TAGS) <= set(logged), set(TAGS) - set(logged)
+    assert [s for s, _ in logged["charts/learning_rate"]] == [128, 256, 384, 512]
+    # lr annealed linearly from 2.5e-4: 1, 3/4, 1/2, 1/4 of it
+    np.testing.assert_allclose([v for _, v in logged["charts/learning_rate"]],
+                               [2.5e-4, 1.875e-4, 1.25e-4, 0.625e-4], rtol=1e-6)
+    assert all(v >= 0 and v == int(v) for _, v in logged["charts/episodic_return"])
+    assert all(v > 10 for _, v in logged["charts/episodic_length"])  # full games, not lives
+    assert {"agent.pt", "checkpoint.pt"} <= set(os.listdir(run))
+    saved = P.load_checkpoint(os.path.join(run, "agent.pt"))
+    assert saved["args"]["num_steps"] == 64 and saved["global_step"] == 512
+
+
+def test_same_seed_gives_the_same_losses(tmp_path):
+    procs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, SCRIPT, *TINY, "--total-timesteps", "128", "--seed", "7"],
+            cwd=tmp_path / name, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
+    la, lb = scalars(a), scalars(b)
+    losses = [t for t in la if t.startswith("losses/")]
+    assert len(losses) == 8
+    for tag in losses:
+        assert la[tag] == lb[tag], tag
+    assert la["losses/value_loss"][0][1] != la["losses/value_loss"][1][1]  # the data is real
+
+
+class ShowAndPick(gym.Env):
+    """Stand-in game with Atari-shaped observations: a bright bar is shown in one of 4 columns;
+    picking its column scores 1. 10 steps a game: chance scores 2.5, a perfect policy 10."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.action_space = gym.spaces.Discrete(4)
+
+    def _show(self):
+        self.target = int(self.np_random.integers(4))
+        obs = self.np_random.integers(0, 60, (4, 84, 84), dtype=np.uint8)
+        obs[:, :, self.target * 21:(self.target + 1) * 21] += 150
+        return obs
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._show(), {}
+
+    def step(self, action):
+        reward, self.t = float(action == self.target), self.t + 1
+        return self._show(), reward, self.t >= 10, False, {}
+
+
+def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch):
+    def make_envs(args, seed, video_folder=None, every_game=False):
+        thunk = lambda: gym.wrappers.RecordEpisodeStatistics(ShowAndPick())  # noqa: E731
+        return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
+                                        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    monkeypatch.setattr(P, "make_envs", make_envs)
+    monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
+    args = P.Args(env_id="ShowAndPick", num_envs=4, num_steps=32, total_timesteps=128 * 60,
+                  learning_rate=1e-3, cuda=False)
+    P.main(args)
+    (run,) = run_dirs(workdir)
+    avg = scalars(run)["charts/avg_episodic_return"]
+    assert avg[0][1] < 4.0, "the first games should be near chance (2.5)"
+    assert avg[-1][1] > 7.5, f"did not learn: average return {avg[-1][1]:.2f} (chance 2.5)"

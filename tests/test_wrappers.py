@@ -1,0 +1,183 @@
+"""Each Atari wrapper on the real ALE (Breakout, Pong, SpaceInvaders with their bundled ROMs),
+checked against stepping the raw emulator by hand."""
+import cv2
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import ppo_atari as P
+
+
+class ActionLog(gym.Wrapper):
+    """Test probe, innermost: records every action the emulator receives and every reset."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.log = []
+
+    def reset(self, **kwargs):
+        self.log.append("reset")
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self.log.append(int(action))
+        return self.env.step(action)
+
+
+def raw(env_id="BreakoutNoFrameskip-v4"):
+    return gym.make(env_id, frameskip=1)
+
+
+def test_max_and_skip_matches_stepping_the_raw_env_by_hand():
+    wrapped, reference = P.MaxAndSkip(raw("PongNoFrameskip-v4"), skip=4), raw("PongNoFrameskip-v4")
+    wrapped.reset(seed=3)
+    reference.reset(seed=3)
+    actions = np.random.default_rng(0).integers(0, 6, size=300)
+    total_reward, max_differs_from_last = 0.0, 0
+    for a in actions:
+        obs, reward, terminated, truncated, _ = wrapped.step(a)
+        frames, expected_reward = [], 0.0
+        for _ in range(4):
+            frame, r, term, trunc, _ = reference.step(a)
+            frames.append(frame)
+            expected_reward += r
+        assert reward == expected_reward
+        assert np.array_equal(obs, np.maximum(frames[-2], frames[-1]))
+        max_differs_from_last += not np.array_equal(obs, frames[-1])
+        total_reward += abs(reward)
+    assert total_reward > 0, "no reward seen: the reward sum was not exercised"
+    assert max_differs_from_last > 0, "the max of two frames never differed from the last frame"
+
+
+def play_until(env, stop, rng, max_steps=5000):
+    for _ in range(max_steps):
+        obs, reward, terminated, truncated, info = env.step(int(rng.integers(0, 4)))
+        if stop(terminated, truncated):
+            return terminated, truncated
+    raise AssertionError("the condition never happened")
+
+
+def test_life_loss_terminates_without_resetting_the_game():
+    env = P.EpisodicLife(P.MaxAndSkip(ActionLog(raw())))
+    ale = env.unwrapped.ale
+    env.reset(seed=1)
+    assert ale.lives() == 5
+    rng = np.random.default_rng(1)
+    terminated, _ = play_until(env, lambda te, tr: te or tr, rng)
+    assert terminated and ale.lives() == 4
+    frame_before = ale.getEpisodeFrameNumber()
+    env.env.env.log.clear()
+    env.reset()
+    # the pseudo-reset is one no-op agent step (4 frames), not a new game
+    assert env.env.env.log == [0, 0, 0, 0]
+    assert ale.lives() == 4 and ale.getEpisodeFrameNumber() == frame_before + 4
+    # after the last life the game really resets
+    for lives_left in (3, 2, 1, 0):
+        play_until(env, lambda te, tr: te or tr, rng)
+        assert ale.lives() == lives_left
+        if lives_left:
+            env.reset()
+    env.reset()
+    assert ale.lives() == 5 and ale.getEpisodeFrameNumber() == 0
+    assert env.env.env.log[-1] == "reset"
+
+
+def test_fire_is_pressed_after_every_reset_including_lost_lives():
+    probe = ActionLog(raw())
+    env = P.FireReset(P.EpisodicLife(P.MaxAndSkip(probe)))
+    env.reset(seed=2)
+    assert probe.log == ["reset"] + [1] * 4 + [2] * 4
+    play_until(env, lambda te, tr: te or tr, np.random.default_rng(2))
+    probe.log.clear()
+    env.reset()
+    assert probe.log == [0] * 4 + [1] * 4 + [2] * 4  # pseudo-reset no-op, FIRE, then action 2
+
+
+def test_noop_reset_takes_1_to_30_noops_from_the_seeded_rng():
+    counts = []
+    for seed in range(12):
+        probe = ActionLog(raw())
+        env = P.NoopReset(probe, noop_max=30)
+        env.reset(seed=seed)
+        assert probe.log[0] == "reset" and set(probe.log[1:]) == {0}
+        counts.append(len(probe.log) - 1)
+    assert all(1 <= c <= 30 for c in counts)
+    assert len(set(counts)) > 3, f"no-op counts do not vary with the seed: {counts}"
+    probe = ActionLog(raw())
+    P.NoopReset(probe).reset(seed=5)
+    assert len(probe.log) - 1 == counts[5], "same seed, different no-op count"
+
+
+def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
+    env = P.make_env("SpaceInvadersNoFrameskip-v4", seed=0)()
+    env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    clipped = []
+    for _ in range(20_000):
+        _, reward, terminated, truncated, info = env.step(int(rng.integers(0, 6)))
+        clipped.append(reward)
+        if "episode" in info:
+            break
+    assert "episode" in info, "the game did not end"
+    assert set(clipped) <= {-1.0, 0.0, 1.0} and sum(clipped) > 0
+    # every alien is worth 5 to 30 points: the raw score is far above the count of rewards
+    assert info["episode"]["r"] >= 5 * sum(clipped)
+    # the statistics count the whole game (all lives), not one life
+    assert info["episode"]["l"] > len(clipped) - 1 - 5  # the 5 pseudo-resets add steps inside
+
+
+def test_stack_is_gray_84x84_uint8_newest_last():
+    env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8
+    assert all(np.array_equal(obs[0], obs[i]) for i in range(4)), "reset pads with its frame"
+    first, rng = obs[0].copy(), np.random.default_rng(0)
+    for _ in range(20):
+        new, *_ = env.step(int(rng.integers(0, 4)))
+        assert np.array_equal(new[:3], obs[1:]), "frames must shift towards index 0"
+        obs = new
+    rgb = env.unwrapped.ale.getScreenRGB()
+    # the newest frame is the max of the last two raw frames, grayed and area-resized; the
+    # current screen alone differs from that max only where sprites moved
+    last = cv2.resize(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), (84, 84),
+                      interpolation=cv2.INTER_AREA)
+    assert np.mean(obs[-1] == last) > 0.95 and not np.array_equal(obs[-1], first)
+
+
+def test_finished_games_reports_every_game_ending_in_one_step():
+    def thunk():
+        return gym.wrappers.RecordEpisodeStatistics(gym.make("BreakoutNoFrameskip-v4",
+                                                             max_episode_steps=30))
+    envs = gym.vector.SyncVectorEnv([thunk, thunk, thunk],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    envs.reset(seed=0)
+    for step in range(30):
+        *_, infos = envs.step(np.zeros(3, dtype=np.int64))
+        games = P.finished_games(infos)
+        assert len(games) == (3 if step == 29 else 0)
+    assert games == [(0.0, 30)] * 3
+    envs.close()
+
+
+@pytest.mark.parametrize("backend", ["sync", "ale"])
+def test_backends_report_full_games_after_five_lives(backend):
+    args = P.Args(num_envs=2, env_backend=backend)
+    envs = P.make_envs(args, seed=0)
+    envs.reset(seed=0)
+    rng = np.random.default_rng(0)
+    terminations = np.zeros(2, dtype=int)
+    games = []
+    for _ in range(5000):
+        obs, reward, terminated, truncated, infos = envs.step(rng.integers(0, 4, size=2))
+        assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8
+        assert set(np.unique(reward)) <= {-1.0, 0.0, 1.0}
+        terminations += terminated
+        for score, length in P.finished_games(infos):
+            games.append((score, length))
+        if len(games) >= 2:
+            break
+    envs.close()
+    assert len(games) >= 2
+    # Breakout has 5 lives: one finished game takes 5 terminations (4 lives lost, 1 game over)
+    assert terminations.sum() >= 5 * len(games) and terminations.sum() < 5 * (len(games) + 2)
+    assert all(length > 50 and score >= 0 for score, length in games)
