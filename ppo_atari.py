@@ -585,8 +585,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
             if getattr(args, name) != getattr(saved, name):
                 fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
                      f"{getattr(saved, name)!r}); drop it or start a new run")
-        args = dataclasses.replace(saved, **{n: getattr(args, n) for n in explicit & RESUME_OVERRIDABLE},
-                                   resume=args.resume)
+        overrides = (explicit & RESUME_OVERRIDABLE) | {"resume"}
+        args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
     check_args(args, world_size)
     if args.track:
         try:
@@ -691,6 +691,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
 
     def checkpoint(iteration):
         if rank == 0:
+            writer.flush()  # the logs reach at least as far as the checkpoint
             save_checkpoint(checkpoint_path, {
                 "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
                 "args": dataclasses.asdict(args), "global_step": global_step,
@@ -777,8 +778,10 @@ def main(args: Args, explicit: set[str] = frozenset()):
         update_time = time.time() - t0  # advantages + update; measured after the sync
         stopped = summary[9] > 0
         if summary[8] < 1.0 or not np.isfinite(summary[:7]).all():
+            kept = (f"the last good checkpoint is {checkpoint_path}" if os.path.exists(
+                checkpoint_path) else "no checkpoint had been written")
             fail(f"non-finite loss or parameters at iteration {iteration} (global step "
-                 f"{global_step}); the last good checkpoint, if any, is {checkpoint_path}", code=1)
+                 f"{global_step}); stopped; {kept}", code=1)
         recent.extend(r for _, r, _ in games)
         sps = int((global_step - start_step) / (time.time() - start_time))
         if writer is not None:
@@ -832,6 +835,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
             print("stopped by signal; checkpoint written; resume with: " + shlex.join(
                 [sys.executable, sys.argv[0], "--resume", run_dir]), flush=True)
         raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
+    return agent
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ def scalars(run_dir, raw=False):
     """{tag: [(step, value), ...]} from the run folder's event files. raw=True reads every event
     as written (so a step logged twice shows twice); otherwise TensorBoard's own view."""
     from tensorboard.backend.event_processing import event_accumulator, event_file_loader
+    from tensorboard.util import tensor_util
 
     if not raw:
         acc = event_accumulator.EventAccumulator(run_dir, size_guidance={"scalars": 0})
@@ -39,8 +40,9 @@ def scalars(run_dir, raw=False):
     for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
         for event in event_file_loader.EventFileLoader(path).Load():
             for v in event.summary.value:
-                if v.HasField("simple_value"):  # add_scalar writes simple values
-                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+                if v.metadata.plugin_data.plugin_name == "scalars":
+                    value = float(tensor_util.make_ndarray(v.tensor).item())
+                    out.setdefault(v.tag, []).append((event.step, value))
     return out
 
 

@@ -1,0 +1,230 @@
+"""Checkpoints: round trip, atomic writes, exact resume, Ctrl-C, safe loading, evaluation."""
+import os
+import pickle
+import shlex
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ppo_atari as P
+from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    saved = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    yield
+    for s, h in zip((signal.SIGINT, signal.SIGTERM), saved):
+        signal.signal(s, h)
+
+
+def tiny_args(**kw):
+    return P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=2, cuda=False, **kw)
+
+
+def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
+    torch.manual_seed(0)
+    agent = P.Agent(4)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
+    agent(torch.zeros(2, 4, 84, 84, dtype=torch.uint8))[1].sum().backward()
+    opt.step()
+    np.random.seed(3)
+    state = {"model": agent.state_dict(), "optimizer": opt.state_dict(), "args": {"seed": 1},
+             "global_step": 1234, "iteration": 7, "rng": P.rng_state(), "recent_returns": [1.0]}
+    expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    path = str(tmp_path / "checkpoint.pt")
+    P.save_checkpoint(path, state)
+    loaded = P.load_checkpoint(str(tmp_path))  # a folder stands for its checkpoint.pt
+    assert loaded["global_step"] == 1234 and loaded["iteration"] == 7
+    assert loaded["recent_returns"] == [1.0]
+    for k, v in agent.state_dict().items():
+        assert torch.equal(loaded["model"][k], v), k
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    P.set_rng_state(loaded["rng"])
+    again = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
+    assert expected[2] == again[2]
+    assert not os.path.exists(path + ".tmp")
+
+
+def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    P.save_checkpoint(path, {"model": {"w": torch.ones(2)}, "args": {}, "iteration": 1})
+
+    def crash(src, dst):
+        raise OSError("power cut")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        P.save_checkpoint(path, {"model": {"w": torch.zeros(2)}, "args": {}, "iteration": 2})
+    monkeypatch.undo()
+    assert os.path.exists(path + ".tmp")  # the new one was written but never renamed
+    loaded = P.load_checkpoint(path)
+    assert loaded["iteration"] == 1 and torch.equal(loaded["model"]["w"], torch.ones(2))
+
+
+def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
+    total = 4 * 64
+    (workdir / "a").mkdir()
+    monkeypatch.chdir(workdir / "a")
+    P.main(tiny_args(total_timesteps=total))
+    (full,) = run_dirs(workdir / "a")
+
+    # run b crashes in iteration 3, after the checkpoint of iteration 2
+    (workdir / "b").mkdir()
+    monkeypatch.chdir(workdir / "b")
+    calls, real_gae = [], P.compute_gae
+
+    def crashing_gae(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated crash")
+        return real_gae(*a, **kw)
+
+    monkeypatch.setattr(P, "compute_gae", crashing_gae)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        P.main(tiny_args(total_timesteps=total, checkpoint_interval=2))
+    monkeypatch.setattr(P, "compute_gae", real_gae)
+    (run,) = run_dirs(workdir / "b")
+    assert P.load_checkpoint(run)["iteration"] == 2
+    P.main(tiny_args(resume=run), explicit={"resume"})
+    assert run_dirs(workdir / "b") == [run], "resume must continue in the same folder"
+
+    a, b = scalars(full, raw=True), scalars(run, raw=True)
+    assert P.load_checkpoint(run)["global_step"] == P.load_checkpoint(full)["global_step"] == total
+    for tag in ("charts/learning_rate", "charts/clip_coef", "losses/value_loss"):
+        steps = [s for s, _ in b[tag]]
+        assert steps == [64, 128, 192, 256], f"{tag} logged at {steps}"
+    assert a["charts/learning_rate"] == b["charts/learning_rate"]  # the schedule continued
+    # iterations 1-2 are the same run; after the resume the envs start fresh games
+    assert a["losses/value_loss"][:2] == b["losses/value_loss"][:2]
+
+
+def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(workdir):
+    out = run_script([*TINY, "--total-timesteps", "64"], cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    (run,) = run_dirs(workdir)
+    before = sorted(os.listdir(run))
+    for args, message in [(["--env-id", "PongNoFrameskip-v4"], "--env-id cannot change"),
+                          (["--num-envs", "4"], "--num-envs cannot change")]:
+        out = run_script(["--resume", run, *args], cwd=workdir)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    assert sorted(os.listdir(run)) == before
+    out = run_script(["--resume", run, "--total-timesteps", "128", "--num-envs", "2"], cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    assert P.load_checkpoint(run)["global_step"] == 128
+    assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [64, 128]
+
+
+def test_ctrl_c_writes_a_checkpoint_and_prints_a_working_resume_command(workdir):
+    proc = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the first progress line: training is under way
+        if line.startswith("step "):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    (command,) = [line.split("resume with: ", 1)[1] for line in out.splitlines()
+                  if "resume with: " in line]
+    (run,) = run_dirs(workdir)
+    ckpt = P.load_checkpoint(run)
+    assert ckpt["global_step"] >= 64 and ckpt["args"]["total_timesteps"] == 100000
+    # the printed command, told to stop one iteration later
+    argv = shlex.split(command) + ["--total-timesteps", str(ckpt["global_step"] + 64)]
+    out = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert P.load_checkpoint(run)["global_step"] == ckpt["global_step"] + 64
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(workdir, monkeypatch, capsys):
+    real, calls = P.minibatch_loss, []
+
+    def poisoned(*a, **kw):  # iterations 1-2 are sound (4 minibatches each), 3 turns NaN
+        calls.append(1)
+        loss, metrics = real(*a, **kw)
+        return (loss * float("nan"), metrics) if len(calls) > 8 else (loss, metrics)
+
+    monkeypatch.setattr(P, "minibatch_loss", poisoned)
+    with pytest.raises(SystemExit) as e:
+        P.main(tiny_args(total_timesteps=6 * 64, checkpoint_interval=1))
+    assert e.value.code == 1
+    assert "non-finite loss or parameters at iteration 3" in capsys.readouterr().err
+    (run,) = run_dirs(workdir)
+    ckpt = P.load_checkpoint(run)
+    assert ckpt["iteration"] == 2
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+class Evil:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("writer", ["torch", "pickle"])
+@pytest.mark.parametrize("flag", ["--resume", "--eval-checkpoint"])
+def test_malicious_pickle_never_runs(workdir, writer, flag):
+    target = workdir / "pwned"
+    payload = {"model": Evil(str(target)), "args": {}}
+    if writer == "torch":
+        torch.save(payload, workdir / "evil.pt")
+    else:
+        with open(workdir / "evil.pt", "wb") as f:
+            pickle.dump(payload, f)
+    out = run_script([flag, "evil.pt", "--no-cuda"], cwd=workdir)
+    assert out.returncode == 2 and "cannot load evil.pt as a safe checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not target.exists()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny finished run, shared by the checks below."""
+    cwd = tmp_path_factory.mktemp("trained")
+    out = run_script([*TINY, "--total-timesteps", "128"], cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return cwd, run_dirs(cwd)[0]
+
+
+def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
+    cwd, run = trained
+    data = open(os.path.join(run, "checkpoint.pt"), "rb").read()
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
+    state = P.load_checkpoint(run)
+    state["model"]["actor.weight"] = torch.zeros(6, 512)
+    state["model"]["actor.bias"] = torch.zeros(6)
+    torch.save(state, tmp_path / "six_actions.pt")
+    cases = [(["--resume", "truncated.pt"], "cannot load truncated.pt as a safe checkpoint"),
+             (["--eval-checkpoint", "six_actions.pt"], "with 6 actions; this game has 4"),
+             (["--resume", "six_actions.pt"], "with 6 actions; this game has 4"),
+             (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
+              "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
+    for args, message in cases:
+        out = run_script([*args, "--no-cuda"], cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+    assert sorted(os.listdir(tmp_path)) == ["six_actions.pt", "truncated.pt"]
+
+
+def test_evaluation_plays_full_games_and_logs_them(trained):
+    cwd, run = trained
+    out = run_script(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "2",
+                      "--no-cuda", "--capture-video"], cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    games = [line for line in out.stdout.splitlines() if line.startswith("game ")]
+    assert len(games) == 2
+    assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout and "over 2 games" in out.stdout
+    logged = scalars(os.path.join(run, "eval"))["eval/episodic_return"]
+    assert [s for s, _ in logged] == [1, 2]
+    scores = [float(line.split("score ")[1].split(",")[0]) for line in games]
+    assert [v for _, v in logged] == scores
+    videos = sorted(os.listdir(os.path.join(run, "eval-videos")))
+    assert videos[:2] == ["game-0.mp4", "game-1.mp4"]
+    assert os.path.getsize(os.path.join(run, "eval-videos", "game-0.mp4")) > 1000
