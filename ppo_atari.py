@@ -599,12 +599,6 @@ def main(args: Args, explicit: set[str] = frozenset()):
     if args.cuda and not use_cuda and rank == 0:
         print("note: CUDA is not available; training on the CPU (--no-cuda silences this)")
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        if use_cuda:
-            torch.cuda.set_device(device)
-        else:  # share the cores between the local processes instead of oversubscribing them
-            torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
 
     # seeding: one block; each rank gets its own env seeds and action samples
@@ -613,8 +607,14 @@ def main(args: Args, explicit: set[str] = frozenset()):
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    if args.eval_checkpoint is not None:
+    if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
         return evaluate(args, device, explicit) if rank == 0 else None
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        else:  # share the cores between the local processes instead of oversubscribing them
+            torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
 
     local_batch = args.num_envs * args.num_steps
     batch_size = local_batch * world_size  # steps per iteration, all processes
