@@ -1,0 +1,206 @@
+"""Speed benchmark (not collected by pytest): python tests/benchmark.py [--iterations 6]
+
+For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
+per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
+iteration, the peak resident memory of the training process, and the compute-only bound (the same
+inference and update on random uint8 data, no env) with SPS as a fraction of it.
+
+`plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
+observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
+subprocess and read its TensorBoard timings. All rows run in one invocation, one after another.
+"""
+import argparse
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo_atari as P  # noqa: E402
+
+CONFIGS = {  # name: ppo_atari.py flags (plain is the hand port below)
+    "plain": None,
+    "sync": ["--env-backend", "sync"],
+    "async": ["--env-backend", "async"],
+    "ale": ["--env-backend", "ale"],
+    "ale+bf16": ["--env-backend", "ale", "--precision", "bf16"],
+    "sync+bf16": ["--env-backend", "sync", "--precision", "bf16"],
+    "ale+bf16+compile": ["--env-backend", "ale", "--precision", "bf16", "--compile"],
+}
+
+
+class PlainAgent(P.Agent):
+    def forward(self, obs):  # obs float32 in [0, 255], NCHW
+        hidden = self.network(obs / 255.0)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1)
+
+
+def plain_worker(iterations, num_envs, device, out):
+    """A straightforward port: float32 storage, NCHW, Categorical, sync envs."""
+    args = P.Args(env_backend="sync", num_envs=num_envs)
+    envs = P.make_envs(args, seed=1)
+    agent = PlainAgent(envs.single_action_space.n).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    T, N = args.num_steps, args.num_envs
+    obs = torch.zeros((T, N, 4, 84, 84), device=device)  # float32: 4x the bytes of uint8
+    actions, logprobs, rewards, dones, values = (torch.zeros((T, N), device=device) for _ in range(5))
+    next_obs = torch.Tensor(envs.reset(seed=1)[0]).to(device)
+    times = []
+    for _ in range(iterations):
+        t0 = time.time()
+        for step in range(T):
+            obs[step] = next_obs
+            with torch.no_grad():
+                logits, value = agent(next_obs)
+            dist = torch.distributions.Categorical(logits=logits)
+            action = dist.sample()
+            actions[step], logprobs[step], values[step] = action, dist.log_prob(action), value
+            o, r, te, tr, _ = envs.step(action.cpu().numpy())
+            rewards[step], dones[step] = torch.tensor(r), torch.Tensor(te | tr)
+            next_obs = torch.Tensor(o).to(device)
+        t1 = time.time()
+        with torch.no_grad():
+            next_value = agent(next_obs)[1]
+        adv, ret = P.compute_gae(rewards, values, dones, next_value, args.gamma, args.gae_lambda)
+        b = [x.reshape(-1, *x.shape[2:]) for x in (obs, actions, logprobs, adv, ret, values)]
+        mb_size = T * N // args.num_minibatches
+        for _ in range(args.update_epochs):
+            perm = np.random.permutation(T * N)
+            for start in range(0, T * N, mb_size):
+                mb = perm[start:start + mb_size]
+                logits, newvalue = agent(b[0][mb])
+                dist = torch.distributions.Categorical(logits=logits)
+                newlogprob = dist.log_prob(b[1][mb].long())
+                loss, m = P.ppo_loss(newlogprob, dist.entropy(), newvalue, b[2][mb], b[3][mb],
+                                     b[4][mb], b[5][mb], args.clip_coef)
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+                m.tolist()  # a port typically reads each minibatch's metrics with .item()
+        times.append((t1 - t0, time.time() - t1))
+    json.dump({"times": times}, open(out, "w"))
+
+
+def bound_worker(name, num_envs, device, out):
+    """The compute alone: rollout inference and the update on random data, no env."""
+    args = P.Args(num_envs=num_envs)
+    flags = CONFIGS[name] or []
+    bf16 = "bf16" in flags
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
+    T, N = args.num_steps, args.num_envs
+    if name == "plain":
+        agent = PlainAgent(4).to(device)
+        obs = torch.randint(0, 256, (T, N, 4, 84, 84), device=device).float()
+    else:
+        agent = P.Agent(4).to(device, memory_format=torch.channels_last)
+        obs = torch.randint(0, 256, (T, N, 4, 84, 84), dtype=torch.uint8, device=device)
+    act, loss_fn = P.policy_step, P.minibatch_loss
+    if "--compile" in flags:
+        act, loss_fn = torch.compile(P.policy_step), torch.compile(P.minibatch_loss)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-4, eps=1e-5)
+    clip = torch.tensor(0.1, device=device)
+    times = []
+    for _ in range(3):
+        t0 = time.time()
+        for step in range(T):
+            with torch.inference_mode(), autocast:
+                action, logprob, value = act(agent, obs[step])
+            action.cpu()
+        t1 = time.time()
+        b_obs, b_act = obs.reshape(-1, 4, 84, 84), torch.randint(0, 4, (T * N,), device=device)
+        b_lp, b_adv, b_ret, b_val = (torch.randn(T * N, device=device) for _ in range(4))
+        mb_size = T * N // args.num_minibatches
+        for _ in range(args.update_epochs):
+            perm = torch.randperm(T * N, device=device)
+            for start in range(0, T * N, mb_size):
+                mb = perm[start:start + mb_size]
+                with autocast:
+                    loss, m = loss_fn(agent, b_obs[mb], b_act[mb], b_lp[mb], b_adv[mb], b_ret[mb],
+                                      b_val[mb], clip, args)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+        m.tolist()
+        times.append((t1 - t0, time.time() - t1))
+    json.dump({"times": times[1:]}, open(out, "w"))  # the first pass warms up (and compiles)
+
+
+def run_child(cmd, cwd):
+    """Runs a command; returns its peak RSS in MiB (that process alone)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd} failed:\n{err[-2000:]}")
+    return usage.ru_maxrss / 1024
+
+
+def trainer_times(run_dir):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import scalars
+    logged = scalars(run_dir)
+    return list(zip([v for _, v in logged["charts/rollout_time"]],
+                    [v for _, v in logged["charts/update_time"]]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    parser.add_argument("--cuda", action="store_true", help="benchmark on CUDA")
+    parser.add_argument("--num-envs", type=int, default=8, help="envs (8 is the default)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    device = torch.device("cuda" if a.cuda else "cpu")
+    if a.worker == "plain":
+        return plain_worker(a.iterations, a.num_envs, device, a.out)
+    if a.worker:
+        return bound_worker(a.worker, a.num_envs, device, a.out)
+
+    batch = a.num_envs * 128
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "?")
+    print(f"# {cpu}, {os.cpu_count()} cores; "
+          f"{torch.cuda.get_device_name() if a.cuda else 'CPU only'}; torch {torch.__version__}; "
+          f"{a.num_envs} envs x 128 steps, 4 epochs x 4 minibatches, {a.iterations} iterations")
+    print(f"| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
+          f"compute-only SPS | SPS / bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = None
+    for name in a.configs.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            me = [sys.executable, os.path.abspath(__file__), "--iterations", str(a.iterations),
+                  "--num-envs", str(a.num_envs), "--out", out] + (["--cuda"] if a.cuda else [])
+            if name == "plain":
+                rss = run_child(me + ["--worker", "plain"], tmp)
+                times = json.load(open(out))["times"]
+            else:
+                rss = run_child([sys.executable, os.path.join(ROOT, "ppo_atari.py"), *CONFIGS[name],
+                                 "--num-envs", str(a.num_envs),
+                                 "--total-timesteps", str(batch * a.iterations)]
+                                + ([] if a.cuda else ["--no-cuda"]), tmp)
+                times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
+            run_child(me + ["--worker", name], tmp)
+            bound = json.load(open(out))["times"]
+        rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
+        sps = batch / (rollout + update)
+        bound_sps = batch / np.median([sum(t) for t in bound])
+        base = base or sps
+        print(f"| {name} | {sps:.0f} | {sps / base:.2f} | {rollout:.2f} | {update:.2f} | "
+              f"{rss:.0f} | {bound_sps:.0f} | {sps / bound_sps:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
