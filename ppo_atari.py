@@ -14,6 +14,7 @@ Tested with Python 3.11, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, openc
 import collections
 import dataclasses
 import difflib
+import multiprocessing
 import os
 import random
 import shlex
@@ -132,7 +133,8 @@ def check_args(args: Args, world_size: int = 1):
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
                  "checkpoint_interval", "eval_episodes"):
         if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+            value = getattr(args, name)
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     for name in ("learning_rate", "clip_coef"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -155,7 +157,8 @@ def check_env_id(env_id: str):
         hint = f"did you mean {' or '.join(close)}?" if close else "e.g. BreakoutNoFrameskip-v4"
         fail(f"unknown --env-id {env_id!r}; {hint}")
     spec = gym.spec(env_id)
-    if not str(spec.entry_point).startswith("ale_py") or spec.kwargs.get("obs_type", "rgb") != "rgb":
+    image = spec.kwargs.get("obs_type", "rgb") == "rgb"
+    if not str(spec.entry_point).startswith("ale_py") or not image:
         fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
              f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
 
@@ -180,7 +183,8 @@ class VideoRecorder(gym.Wrapper):
             os.makedirs(self.folder, exist_ok=True)
             path = os.path.join(self.folder, f"game-{k}.mp4")
             height, width = obs.shape[:2]
-            self.writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 60, (width, height))
+            fourcc = cv2.VideoWriter_fourcc(*"mp4v")
+            self.writer = cv2.VideoWriter(path, fourcc, 60, (width, height))
         self._write(obs)
         return obs, info
 
@@ -304,6 +308,8 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     Observations (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
+        if multiprocessing.parent_process() is not None:  # an async worker: Ctrl-C reaches the
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # whole process group; main handles it
         env = gym.make(env_id, frameskip=1)  # frame skipping is done by MaxAndSkip
         if video_folder is not None:
             env = VideoRecorder(env, video_folder, every_game)
@@ -363,8 +369,8 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
             life_loss_info=True, reward_clipping=False))
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
               for i in range(args.num_envs)]
-    vector_env = gym.vector.AsyncVectorEnv if args.env_backend == "async" else gym.vector.SyncVectorEnv
-    return vector_env(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    vector = gym.vector.AsyncVectorEnv if args.env_backend == "async" else gym.vector.SyncVectorEnv
+    return vector(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def finished_games(infos: dict) -> list[tuple[float, int]]:
@@ -372,8 +378,8 @@ def finished_games(infos: dict) -> list[tuple[float, int]]:
     final = infos.get("final_info", {})
     if "episode" not in final:
         return []
-    mask = final["_episode"]
-    return [(float(r), int(n)) for r, n in zip(final["episode"]["r"][mask], final["episode"]["l"][mask])]
+    ended, episode = final["_episode"], final["episode"]
+    return [(float(r), int(n)) for r, n in zip(episode["r"][ended], episode["l"][ended])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,7 +567,8 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
             print(f"game {len(scores)}: score {score:.0f}, {length} steps", flush=True)
     envs.close()
     writer.close()
-    print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} games")
+    print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} "
+          f"over {len(scores)} games")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,8 +586,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
     ckpt = None
     if args.resume is not None:
         ckpt = load_checkpoint(args.resume)
-        saved = {k: v for k, v in ckpt["args"].items() if k in {f.name for f in dataclasses.fields(Args)}}
-        saved = dataclasses.replace(Args(), **saved)
+        known = {f.name for f in dataclasses.fields(Args)}
+        saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
         for name in sorted(explicit - RESUME_OVERRIDABLE):
             if getattr(args, name) != getattr(saved, name):
                 fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
@@ -716,7 +723,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
             actions[step], logprobs[step], values[step] = action, logprob, value
             # sync point: the env needs the actions on the host
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
-            rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device, non_blocking=True)
+            rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device)
             dones[step] = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device)
             next_obs = staging.copy_(torch.from_numpy(next_obs_np)).to(device, non_blocking=True)
             games += [(global_step, r, n) for r, n in finished_games(infos)]
@@ -730,7 +737,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
                                           args.gamma, args.gae_lambda)
         b_obs = obs.reshape((-1, 4, 84, 84))
         b_actions, b_logprobs = actions.reshape(-1), logprobs.reshape(-1)
-        b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
+        b_values = values.reshape(-1)
 
         # update: metrics stay on the device until the single read after the loop
         metrics, n_minibatches = torch.zeros(7, device=device), 0

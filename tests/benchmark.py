@@ -51,7 +51,8 @@ def plain_worker(iterations, num_envs, device, out):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     T, N = args.num_steps, args.num_envs
     obs = torch.zeros((T, N, 4, 84, 84), device=device)  # float32: 4x the bytes of uint8
-    actions, logprobs, rewards, dones, values = (torch.zeros((T, N), device=device) for _ in range(5))
+    actions, logprobs, rewards, dones, values = (torch.zeros((T, N), device=device)
+                                                 for _ in range(5))
     next_obs = torch.Tensor(envs.reset(seed=1)[0]).to(device)
     times = []
     for _ in range(iterations):

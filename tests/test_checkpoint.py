@@ -43,7 +43,8 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     assert loaded["recent_returns"] == [1.0]
     for k, v in agent.state_dict().items():
         assert torch.equal(loaded["model"][k], v), k
-    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    exp_avg = loaded["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
     P.set_rng_state(loaded["rng"])
     again = (torch.rand(3), np.random.rand(3), __import__("random").random())
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
@@ -220,7 +221,8 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert out.returncode == 0, out.stderr
     games = [line for line in out.stdout.splitlines() if line.startswith("game ")]
     assert len(games) == 2
-    assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout and "over 2 games" in out.stdout
+    assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout
+    assert "over 2 games" in out.stdout
     logged = scalars(os.path.join(run, "eval"))["eval/episodic_return"]
     assert [s for s, _ in logged] == [1, 2]
     scores = [float(line.split("score ")[1].split(",")[0]) for line in games]
