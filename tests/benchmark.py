@@ -33,6 +33,8 @@ CONFIGS = {  # name: ppo_atari.py flags (plain is the hand port below)
     "ale": ["--env-backend", "ale"],
     "ale+bf16": ["--env-backend", "ale", "--precision", "bf16"],
     "sync+bf16": ["--env-backend", "sync", "--precision", "bf16"],
+    "sync+compile": ["--env-backend", "sync", "--compile"],
+    "sync+bf16+compile": ["--env-backend", "sync", "--precision", "bf16", "--compile"],
     "ale+bf16+compile": ["--env-backend", "ale", "--precision", "bf16", "--compile"],
 }
 
