@@ -5,6 +5,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -230,3 +231,27 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     videos = sorted(os.listdir(os.path.join(run, "eval-videos")))
     assert videos[:2] == ["game-0.mp4", "game-1.mp4"]
     assert os.path.getsize(os.path.join(run, "eval-videos", "game-0.mp4")) > 1000
+
+
+def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
+    procs = {}
+    for name in ("term", "twice"):
+        (tmp_path / name).mkdir()
+        procs[name] = subprocess.Popen(
+            [sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000"], cwd=tmp_path / name,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, proc in procs.items():
+        for line in proc.stdout:
+            if line.startswith("step "):
+                break
+    procs["term"].send_signal(signal.SIGTERM)
+    procs["twice"].send_signal(signal.SIGINT)
+    time.sleep(0.5)  # two signals sent at once can arrive as one
+    procs["twice"].send_signal(signal.SIGINT)
+    out, err = procs["term"].communicate(timeout=120)
+    assert procs["term"].returncode == 143 and "resume with: " in out, err
+    (run,) = run_dirs(tmp_path / "term")
+    assert P.load_checkpoint(run)["global_step"] >= 64
+    out, err = procs["twice"].communicate(timeout=120)
+    assert procs["twice"].returncode == 130 and "second Ctrl-C: exiting now" in err
+    assert "resume with: " not in out
