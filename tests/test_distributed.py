@@ -1,12 +1,13 @@
 """The same file under torchrun: 2 CPU processes with gloo."""
 import os
+import shutil
 import subprocess
 import sys
 
 import torch
 
 import ppo_atari as P
-from conftest import ROOT, TINY, run_dirs, scalars
+from conftest import ROOT, SCRIPT, TINY, run_dirs, scalars
 
 HARNESS = f"""
 import os, sys
@@ -18,10 +19,10 @@ torch.save(agent.state_dict(), f"rank{{os.environ['RANK']}}.pt")
 """
 
 
-def torchrun(cwd, *args):
+def torchrun(cwd, *args, script="harness.py"):
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29517", str(cwd / "harness.py"), *args],
+         "--master_port", "29517", str(cwd / script), *args],
         cwd=cwd, capture_output=True, text=True, timeout=400,
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
 
@@ -50,3 +51,10 @@ def test_two_processes_train_in_step_and_resume(tmp_path):
     assert P.load_checkpoint(run)["global_step"] == 384
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384]
     assert run_dirs(tmp_path) == [run]
+
+    # evaluation under torchrun: rank 0 alone plays and reports
+    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
+    out = torchrun(tmp_path, "--eval-checkpoint", run, "--eval-episodes", "1", "--no-cuda",
+                   script="ppo_atari.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("game 1: score") == 1 and "over 1 games" in out.stdout
