@@ -329,27 +329,37 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
 
 
 class AleGames(gym.vector.VectorWrapper):
-    """For ale-py's C++ AtariVectorEnv: clips rewards here (its own clipping would hide the raw
-    score) and reports full games as the gymnasium backends do, in info["final_info"]["episode"].
+    """Makes ale-py's C++ AtariVectorEnv behave as the in-file wrappers do:
+    - the step after a lost life plays FIRE whatever the agent chose (as FireReset does inside
+      the pseudo-reset), and that step's observation, like a game's first, repeats its newest
+      frame four times (FrameStackObservation pads after a reset; ale-py pads with zeros);
+    - rewards are clipped here (ale-py's clipping would hide the raw score), and full games
+      are reported in info["final_info"]["episode"]: raw score, length in emulator frames.
     A game is over on truncation, or on a termination without a life lost (the same-step reset
     has already restored the lives)."""
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        self.lives = info["lives"].copy()
-        self.returns, self.lengths = np.zeros(self.num_envs), np.zeros(self.num_envs, np.int64)
+        action_set, fire = self.env.ale.get_action_set(), ale_py.Action.FIRE
+        self.fire_action = action_set.index(fire) if fire in action_set else -1
+        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
+        self.returns, self.fire = np.zeros(self.num_envs), np.zeros(self.num_envs, bool)
+        obs[:, :3] = obs[:, 3:]
         return obs, info
 
     def step(self, actions):
-        obs, reward, terminated, truncated, info = self.env.step(np.asarray(actions, np.int64))
+        actions = np.where(self.fire, self.fire_action, np.asarray(actions, np.int64))
+        obs, reward, terminated, truncated, info = self.env.step(actions)
         self.returns += reward
-        self.lengths += 1
         over = truncated | (terminated & (info["lives"] >= self.lives))
-        self.lives = info["lives"].copy()
         if over.any():
-            info["final_info"] = {"episode": {"r": self.returns.copy(), "l": self.lengths.copy()},
+            info["final_info"] = {"episode": {"r": self.returns.copy(), "l": self.frames + 4},
                                   "_episode": over}
-            self.returns[over], self.lengths[over] = 0, 0
+            self.returns[over] = 0
+        fresh = over | self.fire
+        obs[fresh, :3] = obs[fresh, 3:]
+        self.fire = terminated & ~over & (self.fire_action >= 0)
+        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
         return obs, np.sign(reward).astype(np.float32), terminated, truncated, info
 
 
@@ -357,8 +367,7 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     """The vector env. Same-step autoreset: a finished env is reset inside step(), the returned
     obs is the new episode's first, and no transition of the reset enters the batch."""
     if args.env_backend == "ale":
-        # The same preprocessing in C++ threads, with two differences (README): no FIRE after a
-        # lost life, and the first frame stack of a game is padded with zeros.
+        # The same preprocessing in C++ threads; AleGames adds what differs (README).
         kwargs = gym.spec(args.env_id).kwargs
         threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return AleGames(ale_py.vector_env.AtariVectorEnv(
@@ -374,7 +383,7 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
 
 
 def finished_games(infos: dict) -> list[tuple[float, int]]:
-    """(raw score, length in agent steps) of every full game that ended in this vector step."""
+    """(raw score, length in emulator frames) of every full game that ended in this vector step."""
     final = infos.get("final_info", {})
     if "episode" not in final:
         return []
