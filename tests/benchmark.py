@@ -1,4 +1,4 @@
-"""Speed benchmark (not collected by pytest): python tests/benchmark.py [--iterations 6]
+"""Speed benchmark (not collected by pytest): python tests/benchmark.py [--rounds 2]
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -7,7 +7,9 @@ inference and update on random uint8 data, no env) with SPS as a fraction of it.
 
 `plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
 observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
-subprocess and read its TensorBoard timings. All rows run in one invocation, one after another.
+subprocess and read its TensorBoard timings. All rows run in one invocation: `--rounds` passes
+over the configurations in turn, so that a slow spell of a noisy machine hits every row; each
+figure is the median over rounds, and the SPS of every round is printed too.
 """
 import argparse
 import glob
@@ -159,6 +161,7 @@ def trainer_times(run_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the configurations")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--cuda", action="store_true", help="benchmark on CUDA")
     parser.add_argument("--num-envs", type=int, default=8, help="envs (8 is the default)")
@@ -177,32 +180,44 @@ def main():
     print(f"# {cpu}, {os.cpu_count()} cores; "
           f"{torch.cuda.get_device_name() if a.cuda else 'CPU only'}; torch {torch.__version__}; "
           f"{a.num_envs} envs x 128 steps, 4 epochs x 4 minibatches, {a.iterations} iterations")
+    print(f"{a.rounds} rounds; each figure is the median over rounds")
     print(f"| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
-          f"compute-only SPS | SPS / bound |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"compute-only SPS | SPS / bound | SPS per round |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    names = a.configs.split(",")
+    rows = {name: [] for name in names}  # name: [(sps, rollout, update, rss, bound_sps)]
+    for _ in range(a.rounds):
+        for name in names:
+            rows[name].append(measure(name, a, batch))
     base = None
-    for name in a.configs.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "out.json")
-            me = [sys.executable, os.path.abspath(__file__), "--iterations", str(a.iterations),
-                  "--num-envs", str(a.num_envs), "--out", out] + (["--cuda"] if a.cuda else [])
-            if name == "plain":
-                rss = run_child(me + ["--worker", "plain"], tmp)
-                times = json.load(open(out))["times"]
-            else:
-                rss = run_child([sys.executable, os.path.join(ROOT, "ppo_atari.py"), *CONFIGS[name],
-                                 "--num-envs", str(a.num_envs),
-                                 "--total-timesteps", str(batch * a.iterations)]
-                                + ([] if a.cuda else ["--no-cuda"]), tmp)
-                times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
-            run_child(me + ["--worker", name], tmp)
-            bound = json.load(open(out))["times"]
-        rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
-        sps = batch / (rollout + update)
-        bound_sps = batch / np.median([sum(t) for t in bound])
+    for name in names:
+        sps, rollout, update, rss, bound_sps = np.median(rows[name], axis=0)
         base = base or sps
+        per_round = ", ".join(f"{r[0]:.0f}" for r in rows[name])
         print(f"| {name} | {sps:.0f} | {sps / base:.2f} | {rollout:.2f} | {update:.2f} | "
-              f"{rss:.0f} | {bound_sps:.0f} | {sps / bound_sps:.0%} |", flush=True)
+              f"{rss:.0f} | {bound_sps:.0f} | {sps / bound_sps:.0%} | {per_round} |", flush=True)
+
+
+def measure(name, a, batch):
+    """One configuration once: its training run, then its compute-only bound."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        me = [sys.executable, os.path.abspath(__file__), "--iterations", str(a.iterations),
+              "--num-envs", str(a.num_envs), "--out", out] + (["--cuda"] if a.cuda else [])
+        if name == "plain":
+            rss = run_child(me + ["--worker", "plain"], tmp)
+            times = json.load(open(out))["times"]
+        else:
+            rss = run_child([sys.executable, os.path.join(ROOT, "ppo_atari.py"), *CONFIGS[name],
+                             "--num-envs", str(a.num_envs),
+                             "--total-timesteps", str(batch * a.iterations)]
+                            + ([] if a.cuda else ["--no-cuda"]), tmp)
+            times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
+        run_child(me + ["--worker", name], tmp)
+        bound = json.load(open(out))["times"]
+    rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
+    bound_sps = batch / np.median([sum(t) for t in bound])
+    return batch / (rollout + update), rollout, update, rss, bound_sps
 
 
 if __name__ == "__main__":
