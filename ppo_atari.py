@@ -58,8 +58,9 @@ class Args:
 
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the Atari environment (NoFrameskip-v4 or ALE/...-v5)"""
-    env_backend: Literal["sync", "async", "ale"] = "sync"
-    """sync: envs in this process; async: a process per env; ale: ale-py's C++ vector env"""
+    env_backend: Literal["ale", "sync", "async"] = "ale"
+    """ale: ale-py's C++ vector env; sync: the in-file wrappers in this process; async: the same
+    wrappers, a process per env (--capture-video needs sync or async)"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
     learning_rate: float = 2.5e-4
@@ -146,8 +147,9 @@ def check_args(args: Args, world_size: int = 1):
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
              f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
     check_env_id(args.env_id)
-    if args.capture_video and args.env_backend == "ale":
-        fail("--capture-video needs the Python wrappers: add --env-backend sync (or async)")
+    if args.capture_video and args.env_backend == "ale" and args.eval_checkpoint is None:
+        fail("--capture-video needs the in-file wrappers (ale-py's vector env renders no "
+             "frames): add --env-backend sync")
 
 
 def check_env_id(env_id: str):
@@ -573,7 +575,7 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
         for score, length in finished_games(infos):
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
-            print(f"game {len(scores)}: score {score:.0f}, {length} steps", flush=True)
+            print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
     envs.close()
     writer.close()
     print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} "
