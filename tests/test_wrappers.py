@@ -189,3 +189,26 @@ def test_backends_agree_on_games_lives_fire_and_stacks(backend):
         # lengths count emulator frames on every backend: 4 per agent step, plus the frames the
         # no-op start and the FIRE presses add (at most 30 + 2 * 4 per life on the in-file side)
         assert score >= 0 and 4 * agent_steps - 3 <= frames <= 4 * agent_steps + 30 + 5 * 12
+
+
+@pytest.mark.parametrize("env_id, game, sticky", [("BreakoutNoFrameskip-v4", "breakout", 0.0),
+                                                 ("ALE/Breakout-v5", "breakout", 0.25),
+                                                 ("ALE/Pong-v5", "pong", 0.25)])
+def test_ale_backend_maps_ids_to_game_and_sticky_actions(monkeypatch, env_id, game, sticky):
+    made = []
+    real = P.ale_py.vector_env.AtariVectorEnv
+
+    def recording(*args, **kwargs):  # the real C++ env, with its arguments noted
+        made.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P.ale_py.vector_env, "AtariVectorEnv", recording)
+    envs = P.make_envs(P.Args(env_id=env_id, num_envs=2, env_backend="ale"), seed=0)
+    (args, kwargs), = made
+    assert args[0] == game and kwargs["repeat_action_probability"] == sticky
+    assert kwargs["life_loss_info"] and not kwargs["episodic_life"]
+    assert not kwargs["reward_clipping"] and kwargs["frameskip"] == 4
+    single = gym.make(env_id)  # the same (minimal) action set as the gymnasium env
+    assert envs.single_action_space.n == single.action_space.n
+    single.close()
+    envs.close()
