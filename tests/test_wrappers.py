@@ -167,13 +167,18 @@ def test_backends_agree_on_games_lives_fire_and_stacks(backend):
     assert (obs[:, :3] == obs[:, 3:]).all() and obs.max() > 0, "a game starts with its frame x4"
     rng = np.random.default_rng(0)
     terminations, steps = np.zeros(2, dtype=int), np.zeros(2, dtype=int)
-    games = []
+    games, pending = [], np.zeros(2, dtype=bool)
     for _ in range(3000):
         # never FIRE: the backend must relaunch the ball after a lost life, or Breakout stalls
         obs, reward, terminated, truncated, infos = envs.step(rng.choice([0, 2, 3], size=2))
         assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8
         assert set(np.unique(reward)) <= {-1.0, 0.0, 1.0}
         terminations += terminated
+        # a lost life or a game over restarts the stack from one frame x4: in the same step on
+        # the in-file side (pseudo-reset), in the FIRE step after it on the ale side
+        fresh = (obs[:, :3] == obs[:, 3:]).all(axis=(1, 2, 3))
+        assert fresh[pending].all(), "no fresh stack after a termination"
+        pending = terminated & ~fresh
         steps += 1
         if "episode" in infos.get("final_info", {}):
             ended = infos["final_info"]["_episode"]
