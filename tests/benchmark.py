@@ -3,7 +3,10 @@
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
 iteration, the peak resident memory of the training process, and the compute-only bound (the same
-inference and update on random uint8 data, no env) with SPS as a fraction of it.
+inference and update on random uint8 data, no env) with SPS as a fraction of it, and the env-only
+SPS (the backend stepped with random actions, no network). When the envs and the network take
+turns on the same cores, 1 / (1 / compute-only + 1 / env-only) is the most a configuration can
+reach; the last column shows SPS as a fraction of that turn-taking ceiling.
 
 `plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
 observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
@@ -140,6 +143,22 @@ def bound_worker(name, num_envs, device, out):
     json.dump({"times": times[1:]}, open(out, "w"))  # the first pass warms up (and compiles)
 
 
+def env_worker(name, num_envs, out):
+    """The env alone: the configuration's backend stepped with random actions, no network."""
+    flags = CONFIGS[name] or ["--env-backend", "sync"]
+    envs = P.make_envs(P.Args(env_backend=flags[flags.index("--env-backend") + 1],
+                              num_envs=num_envs), seed=1)
+    envs.reset(seed=1)
+    rng, times = np.random.default_rng(1), []
+    for _ in range(3):
+        t0 = time.time()
+        for _ in range(128):
+            envs.step(rng.integers(0, envs.single_action_space.n, num_envs))
+        times.append(time.time() - t0)
+    envs.close()
+    json.dump({"times": times[1:]}, open(out, "w"))
+
+
 def run_child(cmd, cwd):
     """Runs a command; returns its peak RSS in MiB (that process alone)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -171,6 +190,8 @@ def main():
     device = torch.device("cuda" if a.cuda else "cpu")
     if a.worker == "plain":
         return plain_worker(a.iterations, a.num_envs, device, a.out)
+    if a.worker and a.worker.startswith("env:"):
+        return env_worker(a.worker[4:], a.num_envs, a.out)
     if a.worker:
         return bound_worker(a.worker, a.num_envs, device, a.out)
 
@@ -182,24 +203,26 @@ def main():
           f"{a.num_envs} envs x 128 steps, 4 epochs x 4 minibatches, {a.iterations} iterations")
     print(f"{a.rounds} rounds; each figure is the median over rounds")
     print(f"| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
-          f"compute-only SPS | SPS / bound | SPS per round |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = a.configs.split(",")
-    rows = {name: [] for name in names}  # name: [(sps, rollout, update, rss, bound_sps)]
+    rows = {name: [] for name in names}  # name: [(sps, rollout, update, rss, bound, env)]
     for _ in range(a.rounds):
         for name in names:
             rows[name].append(measure(name, a, batch))
     base = None
     for name in names:
-        sps, rollout, update, rss, bound_sps = np.median(rows[name], axis=0)
+        sps, rollout, update, rss, bound_sps, env_sps = np.median(rows[name], axis=0)
         base = base or sps
+        ceiling = 1 / (1 / bound_sps + 1 / env_sps)
         per_round = ", ".join(f"{r[0]:.0f}" for r in rows[name])
         print(f"| {name} | {sps:.0f} | {sps / base:.2f} | {rollout:.2f} | {update:.2f} | "
-              f"{rss:.0f} | {bound_sps:.0f} | {sps / bound_sps:.0%} | {per_round} |", flush=True)
+              f"{rss:.0f} | {bound_sps:.0f} | {sps / bound_sps:.0%} | {env_sps:.0f} | "
+              f"{sps / ceiling:.0%} | {per_round} |", flush=True)
 
 
 def measure(name, a, batch):
-    """One configuration once: its training run, then its compute-only bound."""
+    """One configuration once: its training run, its compute-only bound, its env alone."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         me = [sys.executable, os.path.abspath(__file__), "--iterations", str(a.iterations),
@@ -215,9 +238,11 @@ def measure(name, a, batch):
             times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
         run_child(me + ["--worker", name], tmp)
         bound = json.load(open(out))["times"]
+        run_child(me + ["--worker", "env:" + name], tmp)
+        env_sps = batch / np.median(json.load(open(out))["times"])
     rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
     bound_sps = batch / np.median([sum(t) for t in bound])
-    return batch / (rollout + update), rollout, update, rss, bound_sps
+    return batch / (rollout + update), rollout, update, rss, bound_sps, env_sps
 
 
 if __name__ == "__main__":
