@@ -159,6 +159,40 @@ def env_worker(name, num_envs, out):
     json.dump({"times": times[1:]}, open(out, "w"))
 
 
+def flops_and_peak(num_envs, device):
+    """FLOPs of one iteration (torch's flop counter: the update's 16 minibatch forward+backward
+    passes, the rollout's 128 batched forward passes) and the device's dense matmul rate, the
+    most any convolution network can get out of it, in fp32 and bf16."""
+    from torch.utils.flop_counter import FlopCounterMode
+    args = P.Args(num_envs=num_envs)
+    batch, mb = num_envs * args.num_steps, num_envs * args.num_steps // args.num_minibatches
+    agent = P.Agent(4).to(device, memory_format=torch.channels_last)
+    obs = torch.randint(0, 256, (mb, 4, 84, 84), dtype=torch.uint8, device=device)
+    zeros = torch.zeros(mb, device=device)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = P.minibatch_loss(agent, obs, zeros.long(), zeros, zeros + 1, zeros, zeros, 0.1,
+                                   args)
+        loss.backward()
+    update = counter.get_total_flops() * args.update_epochs * batch // mb
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        P.policy_step(agent, obs[:num_envs])
+    rollout = counter.get_total_flops() * args.num_steps
+    peak = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2048, 2048, device=device, dtype=dtype)
+        x @ x
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0, n = time.time(), 0
+        while time.time() - t0 < 2:
+            x @ x
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            n += 1
+        peak[dtype] = 2 * 2048 ** 3 * n / (time.time() - t0)
+    return update, rollout, peak[torch.float32], peak[torch.bfloat16]
+
+
 def run_child(cmd, cwd):
     """Runs a command; returns its peak RSS in MiB (that process alone)."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -201,6 +235,11 @@ def main():
     print(f"# {cpu}, {os.cpu_count()} cores; "
           f"{torch.cuda.get_device_name() if a.cuda else 'CPU only'}; torch {torch.__version__}; "
           f"{a.num_envs} envs x 128 steps, 4 epochs x 4 minibatches, {a.iterations} iterations")
+    update, rollout, fp32, bf16 = flops_and_peak(a.num_envs, device)
+    print(f"# per iteration: update {update / 1e9:.0f} GFLOP, rollout inference "
+          f"{rollout / 1e9:.0f} GFLOP; 2048x2048 matmul: fp32 {fp32 / 1e9:.0f} GFLOP/s, bf16 "
+          f"{bf16 / 1e9:.0f} GFLOP/s; at those rates the compute alone would take "
+          f"{(update + rollout) / fp32:.2f} s (fp32), {(update + rollout) / bf16:.2f} s (bf16)")
     print(f"{a.rounds} rounds; each figure is the median over rounds")
     print(f"| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
           f"compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
