@@ -420,8 +420,9 @@ class Agent(nn.Module):
 
     def forward(self, obs):
         """obs (B, 4, 84, 84) uint8 -> logits (B, n_actions) float32, value (B,) float32."""
-        # in place: one fewer 29 MB buffer per minibatch of 256, bit-identical to `/ 255.0`
-        x = obs.to(torch.float32, memory_format=torch.channels_last).div_(255.0)
+        # scaled in place (one fewer 29 MB buffer per minibatch of 256, bit-identical to
+        # `/ 255.0`); copy=True so that a float input is never scaled under its owner's feet
+        x = obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0)
         hidden = self.network(x)
         return self.actor(hidden).float(), self.critic(hidden).float().squeeze(-1)
 

@@ -79,6 +79,24 @@ def test_first_minibatch_has_ratio_one_no_clipping_no_kl():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in agent.parameters())
 
 
+def test_forward_scales_a_copy_and_matches_float_input():
+    """The in-place /255 in Agent.forward must act on its own copy: a float32 channels_last
+    input (which .to() would otherwise return as is) stays untouched, and gives the same
+    outputs as the uint8 frames it holds."""
+    torch.manual_seed(0)
+    agent = P.Agent(4)
+    frames = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    as_float = frames.to(torch.float32, memory_format=torch.channels_last)
+    before = as_float.clone()
+    with torch.no_grad():
+        logits_u8, value_u8 = agent(frames)
+        logits_f, value_f = agent(as_float)
+        agent(as_float)
+    assert torch.equal(as_float, before)
+    assert torch.equal(logits_u8, logits_f) and torch.equal(value_u8, value_f)
+    assert logits_u8.dtype == torch.float32 and value_u8.shape == (8,)
+
+
 def crafted(ratio, advantage, newvalue=0.0, value=0.0, ret=0.0, clip=0.2, clip_vloss=True):
     logprob = torch.zeros(1)
     newlogprob = torch.log(torch.tensor([ratio])).requires_grad_()
