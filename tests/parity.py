@@ -19,6 +19,7 @@ GAE advantages and the gradient of one minibatch, next to the spread that sampli
 (the gradients of two different minibatches).
 """
 import argparse
+import dataclasses
 import glob
 import os
 import subprocess
@@ -64,8 +65,9 @@ def numerics(run, seed=1):
     import ppo_atari as P
     torch.manual_seed(seed)
     state = P.load_checkpoint(os.path.join(run, "agent.pt"))
-    args = P.Args(**{k: v for k, v in state["args"].items() if k in P.Args.__annotations__})
-    args = P.dataclasses.replace(args, env_backend="sync")
+    known = {f.name for f in dataclasses.fields(P.Args)}
+    saved = {k: v for k, v in state["args"].items() if k in known}
+    args = P.Args(**saved | {"env_backend": "sync"})
     envs = P.make_envs(args, seed)
     agent = P.Agent(envs.single_action_space.n)
     P.load_agent(agent, state, run)
@@ -76,7 +78,8 @@ def numerics(run, seed=1):
         with torch.inference_mode():
             actions.append(P.policy_step(agent, obs[-1])[0])
         o, r, terminated, truncated, _ = envs.step(actions[-1].numpy())
-        rewards.append(torch.tensor(r)), dones.append(torch.tensor(terminated | truncated).float())
+        rewards.append(torch.tensor(r))
+        dones.append(torch.tensor(terminated | truncated).float())
     T, flat = args.num_steps, torch.cat(obs)
     act, rew, done = torch.cat(actions), torch.stack(rewards[:T]), torch.stack(dones[:T])
 
