@@ -13,6 +13,7 @@ Tested with Python 3.11, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, openc
 """
 import collections
 import dataclasses
+import datetime
 import difflib
 import multiprocessing
 import os
@@ -41,6 +42,9 @@ gym.register_envs(ale_py)
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run folder's name)"""
+    run_name: str | None = None
+    """the run folder is runs/RUN_NAME; when it holds a checkpoint, the same command continues
+    it (after a preemption or a torchrun restart); None: {env_id}__{exp_name}__{seed}__{time}"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
@@ -58,9 +62,10 @@ class Args:
 
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the Atari environment (NoFrameskip-v4 or ALE/...-v5)"""
-    env_backend: Literal["ale", "sync", "async"] = "ale"
-    """ale: ale-py's C++ vector env; sync: the in-file wrappers in this process; async: the same
-    wrappers, a process per env (--capture-video needs sync or async)"""
+    env_backend: Literal["auto", "sync", "async", "ale"] = "auto"
+    """auto: async when training on CUDA with at least 4 cores per process, else sync; sync/async:
+    the in-file wrappers, in this process or a process per env (same numbers); ale: ale-py's C++
+    env, opt-in, not the wrappers (max of gray frames, its own start, a FIRE step per lost life)"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
     learning_rate: float = 2.5e-4
@@ -103,17 +108,21 @@ class Args:
     checkpoint_interval: int = 50
     """write checkpoint.pt every this many iterations (and at the end)"""
     resume: str | None = None
-    """a run folder or checkpoint file to continue from"""
+    """a run folder or checkpoint file to continue from; it may change only --total-timesteps,
+    --checkpoint-interval, --cuda, --compile, --env-backend and the logging options"""
     eval_checkpoint: str | None = None
     """score this saved agent (agent.pt or checkpoint.pt) instead of training"""
     eval_episodes: int = 10
     """the number of full games --eval-checkpoint plays"""
+    dist_timeout: int = 600
+    """torchrun: seconds a rendezvous or collective may wait for the other processes, then fail"""
 
 
 # Arguments that may differ from a checkpoint's when resuming: they change neither the network, the
 # game nor the optimisation already done.
 RESUME_OVERRIDABLE = {"total_timesteps", "checkpoint_interval", "track", "wandb_project_name",
-                      "wandb_entity", "capture_video", "cuda", "compile", "env_backend", "resume"}
+                      "wandb_entity", "capture_video", "cuda", "compile", "env_backend", "resume",
+                      "run_name", "dist_timeout"}
 
 
 def fail(message: str, code: int = 2):
@@ -149,7 +158,7 @@ def check_args(args: Args, world_size: int = 1):
     check_env_id(args.env_id)
     if args.capture_video and args.env_backend == "ale" and args.eval_checkpoint is None:
         fail("--capture-video needs the in-file wrappers (ale-py's vector env renders no "
-             "frames): add --env-backend sync")
+             "frames): drop --env-backend ale")
 
 
 def check_env_id(env_id: str):
@@ -310,8 +319,14 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     Observations (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
-        if multiprocessing.parent_process() is not None:  # an async worker: Ctrl-C reaches the
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # whole process group; main handles it
+        if multiprocessing.parent_process() is not None:  # an async worker
+            # Ctrl-C (a terminal) and SIGTERM (SLURM) reach every process; the trainer finishes
+            # its iteration and checkpoints, so a worker keeps serving it: SIGINT is ignored and
+            # SIGTERM ends the worker only 60 s later (SIGALRM), if the trainer has not closed it
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, lambda *_: signal.alarm(60))
+            cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
+        gym.register_envs(ale_py)  # a spawned worker registers the ids itself
         env = gym.make(env_id, frameskip=1)  # frame skipping is done by MaxAndSkip
         if video_folder is not None:
             env = VideoRecorder(env, video_folder, every_game)
@@ -335,6 +350,8 @@ class AleGames(gym.vector.VectorWrapper):
     - the step after a lost life plays FIRE whatever the agent chose (as FireReset does inside
       the pseudo-reset), and that step's observation, like a game's first, repeats its newest
       frame four times (FrameStackObservation pads after a reset; ale-py pads with zeros);
+    - info["overridden"] marks the envs whose action was replaced by that FIRE: the trainer
+      keeps those samples out of the policy and entropy terms (`ppo_loss(mask=...)`);
     - rewards are clipped here (ale-py's clipping would hide the raw score), and full games
       are reported in info["final_info"]["episode"]: raw score, length in emulator frames.
     A game is over on truncation, or on a termination without a life lost (the same-step reset
@@ -350,8 +367,10 @@ class AleGames(gym.vector.VectorWrapper):
         return obs, info
 
     def step(self, actions):
-        actions = np.where(self.fire, self.fire_action, np.asarray(actions, np.int64))
+        overridden = self.fire.copy()
+        actions = np.where(overridden, self.fire_action, np.asarray(actions, np.int64))
         obs, reward, terminated, truncated, info = self.env.step(actions)
+        info["overridden"] = overridden  # these envs played FIRE, not the agent's action
         self.returns += reward
         over = truncated | (terminated & (info["lives"] >= self.lives))
         if over.any():
@@ -380,8 +399,20 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
             life_loss_info=True, reward_clipping=False))
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
               for i in range(args.num_envs)]
-    vector = gym.vector.AsyncVectorEnv if args.env_backend == "async" else gym.vector.SyncVectorEnv
-    return vector(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    same_step = gym.vector.AutoresetMode.SAME_STEP
+    if args.env_backend == "async":  # spawn: a forked CUDA context or NCCL group is not safe
+        return gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
+    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
+
+
+def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
+    """--env-backend auto: the in-file wrappers either way. A process per env (async) pays off
+    only when the network does not need the cores: on CUDA with 4 or more cores per process.
+    On a CPU the envs and the network take turns on the same cores and sync is faster."""
+    if args.env_backend != "auto":
+        return args.env_backend
+    cores = (os.cpu_count() or 1) // local_processes
+    return "async" if use_cuda and cores >= 4 else "sync"
 
 
 def finished_games(infos: dict) -> list[tuple[float, int]]:
@@ -455,42 +486,55 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
     return advantages, advantages + values
 
 
+def kept_mean(x, mask=None):
+    """Mean over the samples whose mask is 1; all of them without a mask."""
+    return x.mean() if mask is None else (x * mask).sum() / mask.sum().clamp(min=1)
+
+
 def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, clip_coef,
-             norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5):
+             norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5, mask=None):
     """The PPO objective on one minibatch (all tensors (B,); clip_coef a float or 0-d tensor).
-    Returns the loss to minimise and, detached, [pg_loss, v_loss, entropy, old_approx_kl,
-    approx_kl, clipfrac, value_clipfrac]."""
+    mask (B,) float, optional: 0 for a sample whose action the env replaced (the ale backend's
+    FIRE after a lost life); such a sample is left out of the policy and entropy terms and of
+    the advantage statistics, but still trains the value. Returns the loss to minimise and,
+    detached, [pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac, value_clipfrac]."""
     logratio = newlogprob - logprob
     ratio = logratio.exp()
-    if norm_adv:
+    if norm_adv and mask is None:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss = torch.max(-advantages * ratio,
-                        -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    elif norm_adv:  # the kept samples' mean and (unbiased) std
+        mean = kept_mean(advantages, mask)
+        var = ((advantages - mean) ** 2 * mask).sum() / (mask.sum() - 1).clamp(min=1)
+        advantages = (advantages - mean) / (var.sqrt() + 1e-8)
+    pg_loss = kept_mean(torch.max(-advantages * ratio,
+                                  -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)),
+                        mask)
     if clip_vloss:  # baselines ppo2: the value may move at most clip_coef from its rollout value
         v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
         v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
+    entropy_loss = kept_mean(entropy, mask)
     loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss
     with torch.no_grad():  # http://joschu.net/blog/kl-approx.html
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+        old_approx_kl = kept_mean(-logratio, mask)
+        approx_kl = kept_mean((ratio - 1) - logratio, mask)
+        clipfrac = kept_mean(((ratio - 1.0).abs() > clip_coef).float(), mask)
         value_clipfrac = ((newvalue - values).abs() > clip_coef).float().mean()
     metrics = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac,
                            value_clipfrac]).detach()
     return loss, metrics
 
 
-def minibatch_loss(agent, obs, actions, logprob, advantages, returns, values, clip_coef, args):
+def minibatch_loss(agent, obs, actions, logprob, advantages, returns, values, clip_coef, args,
+                   mask=None):
     """Forward pass on a minibatch, then ppo_loss. obs (B, 4, 84, 84) uint8, actions (B,) int64."""
     logits, newvalue = agent(obs)
     logp_all = torch.log_softmax(logits, dim=-1)
     newlogprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values,
-                    clip_coef, args.norm_adv, args.clip_vloss, args.ent_coef, args.vf_coef)
+                    clip_coef, args.norm_adv, args.clip_vloss, args.ent_coef, args.vf_coef, mask)
 
 
 def save_checkpoint(path: str, state: dict):
@@ -522,6 +566,52 @@ def load_checkpoint(path: str) -> dict:
     if not isinstance(state, dict) or not {"model", "args"} <= set(state):
         fail(f"{path} is not a checkpoint of this script (no model and args in it)")
     return state
+
+
+def run_folder_started(name: str) -> bool:
+    """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
+    before anything else); a folder with other files in it belongs to something else."""
+    if not name or name.startswith(".") or os.sep in name or (os.altsep or os.sep) in name:
+        fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
+    folder = os.path.join("runs", name)
+    if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+        return True
+    if os.path.isdir(folder) and os.listdir(folder):
+        fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script to "
+             f"continue; pick another --run-name or remove the folder")
+    return False
+
+
+def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterations: int,
+                rank: int) -> str:
+    """Checks a checkpoint against this launch and says what resuming does: "complete" (the run
+    has reached --total-timesteps; nothing is written) or "continue"."""
+    done, step = ckpt["iteration"], ckpt["global_step"]
+    written_by = ckpt.get("world_size", step // max(1, done * args.num_envs * args.num_steps))
+    if done and written_by != world_size:
+        fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
+             f"{world_size}; continue it with torchrun --nproc_per_node {written_by} (or "
+             f"{written_by} processes in all)")
+    if rank > 0:
+        return "complete" if done >= num_iterations else "continue"
+    where = os.path.dirname(os.path.abspath(checkpoint_file(args.resume)))
+    if done >= num_iterations:
+        print(f"{where} is already complete: step {step:,} of {args.total_timesteps:,}; nothing "
+              f"written. To train longer, add --total-timesteps with a larger total")
+        return "complete"
+    old_iterations = saved.total_timesteps // (args.num_envs * args.num_steps * world_size)
+    lr_old = (1.0 - done / old_iterations) * args.learning_rate if args.anneal_lr else None
+    lr_new = (1.0 - done / num_iterations) * args.learning_rate if args.anneal_lr else None
+    line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
+            f"({num_iterations - done} iterations left)")
+    if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
+        line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-rate"
+                 f"{' and clip' if args.anneal_clip else ''} schedule is re-planned over the new "
+                 f"total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
+    elif args.anneal_lr:
+        line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
+    print(line, flush=True)
+    return "continue"
 
 
 def rng_state() -> dict:
@@ -587,6 +677,20 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
 # ---------------------------------------------------------------------------------------------
 
 
+def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
+    """init_process_group through torchrun's store, under a prefix of its own for each restart:
+    workers restarted by `torchrun --max-restarts` would otherwise read the dead round's peer
+    addresses from the same store and wait on them. Every wait is bounded by timeout_s."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
+        return dist.init_process_group(backend, timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ppo_atari/restart{restart}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+
+
 def main(args: Args, explicit: set[str] = frozenset()):
     # distributed: inert without torchrun, which sets the environment variables read here
     distributed = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -597,6 +701,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
 
     # arguments: a resumed run takes its checkpoint's, with the safe overrides given now
     ckpt = None
+    if args.resume is None and args.run_name is not None and run_folder_started(args.run_name):
+        args = dataclasses.replace(args, resume=os.path.join("runs", args.run_name))
     if args.resume is not None:
         ckpt = load_checkpoint(args.resume)
         known = {f.name for f in dataclasses.fields(Args)}
@@ -613,6 +719,13 @@ def main(args: Args, explicit: set[str] = frozenset()):
             import wandb
         except ImportError:
             fail("--track needs wandb, which is not installed: pip install wandb")
+    local_batch = args.num_envs * args.num_steps
+    batch_size = local_batch * world_size  # steps per iteration, all processes
+    minibatch_size = local_batch // args.num_minibatches  # per process
+    num_iterations = args.total_timesteps // batch_size
+    if ckpt is not None and args.eval_checkpoint is None:
+        if resume_plan(args, saved, ckpt, world_size, num_iterations, rank) == "complete":
+            return None
 
     # device: the one place it is chosen
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -620,6 +733,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
         print("note: CUDA is not available; training on the CPU (--no-cuda silences this)")
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
 
     # seeding: one block; each rank gets its own env seeds and action samples
     random.seed(args.seed + rank)
@@ -630,21 +745,17 @@ def main(args: Args, explicit: set[str] = frozenset()):
     if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
         return evaluate(args, device, explicit) if rank == 0 else None
     if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        join_process_group("nccl" if use_cuda else "gloo", rank, world_size, args.dist_timeout)
         if use_cuda:
             torch.cuda.set_device(device)
         else:  # share the cores between the local processes instead of oversubscribing them
-            torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+            torch.set_num_threads(max(1, os.cpu_count() // local_processes))
 
-    local_batch = args.num_envs * args.num_steps
-    batch_size = local_batch * world_size  # steps per iteration, all processes
-    minibatch_size = local_batch // args.num_minibatches  # per process
-    num_iterations = args.total_timesteps // batch_size
     if ckpt is not None:
         run_dir = os.path.dirname(os.path.abspath(checkpoint_file(args.resume)))
     else:
-        run_dir = os.path.join("runs", f"{args.env_id.replace('/', '-')}__{args.exp_name}__"
-                               f"{args.seed}__{int(time.time())}")
+        run_dir = os.path.join("runs", args.run_name or f"{args.env_id.replace('/', '-')}__"
+                               f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
     # envs, agent, optimizer
     video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
@@ -653,7 +764,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
         start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
         recent.extend(ckpt["recent_returns"])
     env_seed = args.seed + rank * args.num_envs + 7919 * (start_iteration - 1)  # fresh games
-    envs = make_envs(args, env_seed, video)
+    envs = make_envs(dataclasses.replace(args, env_backend=backend), env_seed, video)
     agent = Agent(envs.single_action_space.n).to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     if ckpt is not None:
@@ -670,9 +781,23 @@ def main(args: Args, explicit: set[str] = frozenset()):
     if args.compile:
         act, loss_fn = torch.compile(policy_step), torch.compile(minibatch_loss)
 
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+
+    def checkpoint(iteration):
+        if rank == 0:
+            if writer is not None:
+                writer.flush()  # the logs reach at least as far as the checkpoint
+            save_checkpoint(checkpoint_path, {
+                "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                "args": dataclasses.asdict(args), "global_step": global_step,
+                "iteration": iteration, "world_size": world_size, "rng": rng_state(),
+                "recent_returns": list(recent)})
+
     writer = None
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
+        if ckpt is None:  # iteration 0, before any event: a run folder always has a checkpoint
+            checkpoint(0)
         if args.track:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
                        name=os.path.basename(run_dir), sync_tensorboard=True, save_code=True)
@@ -689,6 +814,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
     rewards = torch.zeros((args.num_steps, args.num_envs), device=device)  # clipped, float32
     dones = torch.zeros((args.num_steps, args.num_envs), device=device)  # 1.0: ended at step t
     values = torch.zeros((args.num_steps, args.num_envs), device=device)  # float32
+    # 1.0: the env played the agent's action (0.0 only for the ale backend's FIRE after a life)
+    acted = torch.ones((args.num_steps, args.num_envs), device=device)
     # host staging for observations: pinned so the copy to the GPU can overlap (CUDA only)
     staging = torch.zeros((args.num_envs, 4, 84, 84), dtype=torch.uint8, pin_memory=use_cuda)
 
@@ -705,17 +832,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
 
     next_obs_np, _ = envs.reset(seed=env_seed)
     next_obs = staging.copy_(torch.from_numpy(next_obs_np)).to(device, non_blocking=True)
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     start_time, start_step, last_print = time.time(), global_step, 0.0
     is_tty = sys.stdout.isatty()
-
-    def checkpoint(iteration):
-        if rank == 0:
-            writer.flush()  # the logs reach at least as far as the checkpoint
-            save_checkpoint(checkpoint_path, {
-                "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                "args": dataclasses.asdict(args), "global_step": global_step,
-                "iteration": iteration, "rng": rng_state(), "recent_returns": list(recent)})
 
     iteration, stopped = start_iteration - 1, False
     for iteration in range(start_iteration, num_iterations + 1):
@@ -738,6 +856,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
             rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device)
             dones[step] = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device)
+            if "overridden" in infos:
+                acted[step] = torch.as_tensor(~infos["overridden"], dtype=torch.float32).to(device)
             next_obs = staging.copy_(torch.from_numpy(next_obs_np)).to(device, non_blocking=True)
             games += [(global_step, r, n) for r, n in finished_games(infos)]
         rollout_time = time.time() - t0
@@ -752,6 +872,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
         b_actions, b_logprobs = actions.reshape(-1), logprobs.reshape(-1)
         b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
         b_values = values.reshape(-1)
+        b_acted = acted.reshape(-1) if backend == "ale" else None  # no mask: CleanRL's math
 
         # update: metrics stay on the device until the single read after the loop
         metrics, n_minibatches = torch.zeros(7, device=device), 0
@@ -762,7 +883,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
                 with autocast:
                     loss, mb_metrics = loss_fn(agent, b_obs[mb], b_actions[mb], b_logprobs[mb],
                                                b_advantages[mb], b_returns[mb], b_values[mb],
-                                               clip_now, args)
+                                               clip_now, args,
+                                               None if b_acted is None else b_acted[mb])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if distributed:  # average gradients over ranks, as one flat all-reduce
@@ -801,6 +923,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
         if summary[8] < 1.0 or not np.isfinite(summary[:7]).all():
             kept = (f"the last good checkpoint is {checkpoint_path}" if os.path.exists(
                 checkpoint_path) else "no checkpoint had been written")
+            envs.close()
             fail(f"non-finite loss or parameters at iteration {iteration} (global step "
                  f"{global_step}); stopped; {kept}", code=1)
         recent.extend(r for _, r, _ in games)

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import scalars  # noqa: E402
 
 CONFIGS = {
+    "default": [],  # --env-backend auto: sync on a CPU
     "plain": ["--env-backend", "sync", "--precision", "fp32"],
     "async": ["--env-backend", "async", "--precision", "fp32"],
     "ale": ["--env-backend", "ale", "--precision", "fp32"],
@@ -127,6 +128,9 @@ def main():
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--out", default="parity-runs", help="folder for the runs")
     parser.add_argument("--numerics", metavar="RUN", help="compare bf16 with fp32 on RUN's agent")
+    parser.add_argument("--reference", default="", metavar="V1,V2,...",
+                        help="final returns of reference seeds (e.g. sync runs made earlier); "
+                             "each config gets Welch's t against them")
     a = parser.parse_args()
     if a.numerics:
         return numerics(a.numerics)
@@ -148,15 +152,26 @@ def main():
         running = [p for p in running if p.poll() is None]
 
     print(f"# {a.env_id}, {a.steps} steps, final charts/avg_episodic_return (last 100 games)")
-    print("| config | flags | per seed | mean ± std | max explained variance, 75k window |")
-    print("|---|---|---|---|---|")
+    reference = [float(v) for v in a.reference.split(",") if v]
+    print("| config | flags | per seed | mean ± std | Welch t vs reference "
+          "| max explained variance, 75k window |")
+    print("|---|---|---|---|---|---|")
     for config in a.configs.split(","):
         runs = [finished_run(a.out, config, int(s), a.steps) for s in a.seeds.split(",")]
         shown = ", ".join("failed" if f is None else f"{f:.2f}" for _, f in runs)
         ok = [f for _, f in runs if f is not None]
         ev = ", ".join(f"{plateau(run):.2f}" for run, _ in runs if run is not None)
-        print(f"| {config} | {' '.join(CONFIGS[config])} | {shown} | "
-              f"{np.mean(ok):.2f} ± {np.std(ok):.2f} | {ev} |")
+        t = f"{welch_t(ok, reference):.2f}" if len(reference) > 1 and len(ok) > 1 else "-"
+        print(f"| {config} | {' '.join(CONFIGS[config]) or '(none)'} | {shown} | "
+              f"{np.mean(ok):.2f} ± {np.std(ok):.2f} | {t} | {ev} |")
+    if reference:
+        print(f"reference: {reference}, {np.mean(reference):.2f} ± {np.std(reference):.2f}")
+
+
+def welch_t(a, b):
+    """Welch's t of mean(a) - mean(b), with the sample (n - 1) variances."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.mean() - b.mean()) / np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ BAD = {
     "tiny_budget": (["--total-timesteps", "10"], "--total-timesteps 10 is less than one batch"),
     "missing_resume": (["--resume", "no/such/run"], "no checkpoint at no/such/run"),
     "missing_eval": (["--eval-checkpoint", "nothing.pt"], "no checkpoint at nothing.pt"),
-    "video_on_ale": (["--capture-video"], "--capture-video needs the in-file wrappers"),
+    "video_on_ale": (["--capture-video", "--env-backend", "ale"],
+                     "--capture-video needs the in-file wrappers"),
 }
 
 

@@ -22,8 +22,7 @@ TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rat
 def test_file_alone_trains_and_logs_every_tag(tmp_path):
     shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
     assert os.listdir(tmp_path) == ["ppo_atari.py"]
-    out = run_script([*TINY, "--num-steps", "64", "--total-timesteps", "512", "--capture-video",
-                      "--env-backend", "sync"],
+    out = run_script([*TINY, "--num-steps", "64", "--total-timesteps", "512", "--capture-video"],
                      cwd=tmp_path, script=str(tmp_path / "ppo_atari.py"))
     assert out.returncode == 0, out.stderr
     assert "note: CUDA is not available" not in out.stdout  # --no-cuda asked for the CPU
