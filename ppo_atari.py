@@ -36,10 +36,16 @@ import tyro
 from torch.utils.tensorboard import SummaryWriter
 
 gym.register_envs(ale_py)
+ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every start; errors show
 
 
 @dataclass
 class Args:
+    """PPO on Atari (one file, CleanRL style). Each run writes TensorBoard logs, checkpoint.pt and
+    agent.pt to runs/<run>/ (see --run-name). Train: python ppo_atari.py --env-id
+    BreakoutNoFrameskip-v4. Continue a stopped run: python ppo_atari.py --resume runs/<run>. Score
+    a saved agent: python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt."""
+
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run folder's name)"""
     run_name: str | None = None
@@ -102,7 +108,7 @@ class Args:
     """stop an update's epochs early when approx_kl exceeds this; None: never"""
 
     precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 autocast for the network (CUDA, or CPUs with AMX)"""
+    """fp32, or bf16 autocast for the network (CUDA; CPUs with AVX512-BF16 or AMX)"""
     compile: bool = False
     """True: torch.compile the rollout policy step and the minibatch loss"""
     checkpoint_interval: int = 50
@@ -162,9 +168,14 @@ def check_args(args: Args, world_size: int = 1):
 
 
 def check_env_id(env_id: str):
-    """Only ALE image environments with discrete actions fit the wrappers and the CNN."""
+    """Only ALE image environments fit the wrappers and the CNN, and only the ids whose settings
+    the trainer keeps: NoFrameskip-v4 (no sticky actions) and ALE/...-v5 (sticky actions 0.25).
+    Plain -v4 ids skip a random 2-4 frames and -v0 ids have sticky actions: both are refused."""
+    def wanted(name):
+        return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
+
     if env_id not in gym.registry:
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(env_id, [n for n in gym.registry if wanted(n)], 3, 0.6)
         hint = f"did you mean {' or '.join(close)}?" if close else "e.g. BreakoutNoFrameskip-v4"
         fail(f"unknown --env-id {env_id!r}; {hint}")
     spec = gym.spec(env_id)
@@ -172,6 +183,12 @@ def check_env_id(env_id: str):
     if not str(spec.entry_point).startswith("ale_py") or not image:
         fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
              f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
+    if not wanted(env_id):
+        game = env_id.split("-")[0].removesuffix("NoFrameskip")
+        what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
+        what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
+        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {game}NoFrameskip-v4 "
+             f"(the published setting) or ALE/{game}-v5 (sticky actions)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,14 +205,14 @@ class VideoRecorder(gym.Wrapper):
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        self._finish()
+        self._finish(complete=True)
         k, self.games = self.games, self.games + 1
         if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
             os.makedirs(self.folder, exist_ok=True)
-            path = os.path.join(self.folder, f"game-{k}.mp4")
+            self.path = os.path.join(self.folder, f"game-{k}.mp4")
             height, width = obs.shape[:2]
             fourcc = cv2.VideoWriter_fourcc(*"mp4v")
-            self.writer = cv2.VideoWriter(path, fourcc, 60, (width, height))
+            self.writer = cv2.VideoWriter(self.path, fourcc, 60, (width, height))
         self._write(obs)
         return obs, info
 
@@ -208,13 +225,15 @@ class VideoRecorder(gym.Wrapper):
         if self.writer is not None:
             self.writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
 
-    def _finish(self):
+    def _finish(self, complete: bool):
         if self.writer is not None:
             self.writer.release()
             self.writer = None
+            if not complete:  # a game cut off by close(): not a full game, not kept
+                os.remove(self.path)
 
     def close(self):
-        self._finish()
+        self._finish(complete=False)
         super().close()
 
 
@@ -568,6 +587,12 @@ def load_checkpoint(path: str) -> dict:
     return state
 
 
+def shown_path(path: str) -> str:
+    """A path as printed: relative to the working directory when inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
 def run_folder_started(name: str) -> bool:
     """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
     before anything else); a folder with other files in it belongs to something else."""
@@ -594,10 +619,11 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterat
              f"{written_by} processes in all)")
     if rank > 0:
         return "complete" if done >= num_iterations else "continue"
-    where = os.path.dirname(os.path.abspath(checkpoint_file(args.resume)))
+    where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
     if done >= num_iterations:
-        print(f"{where} is already complete: step {step:,} of {args.total_timesteps:,}; nothing "
-              f"written. To train longer, add --total-timesteps with a larger total")
+        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
+              f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
+              f"--total-timesteps", flush=True)
         return "complete"
     old_iterations = saved.total_timesteps // (args.num_envs * args.num_steps * world_size)
     lr_old = (1.0 - done / old_iterations) * args.learning_rate if args.anneal_lr else None
@@ -657,21 +683,26 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     envs = make_envs(eval_args, args.seed, video, every_game=True)
     agent = Agent(envs.single_action_space.n).to(device, memory_format=torch.channels_last)
     load_agent(agent, state, path)
-    writer = SummaryWriter(os.path.join(run_dir, "eval"))
-    obs, _ = envs.reset(seed=args.seed)
+    # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
+    step = state.get("global_step", 0)
+    writer = SummaryWriter(os.path.join(run_dir, "eval", f"step{step}-seed{args.seed}-"
+                                                         f"{int(time.time())}"))
+    obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
     scores = []
     while len(scores) < args.eval_episodes:
-        with torch.inference_mode():
+        with torch.inference_mode():  # actions sampled from the policy, as in training
             action, _, _ = policy_step(agent, torch.as_tensor(obs, device=device))
         obs, _, _, _, infos = envs.step(action.cpu().numpy())
-        for score, length in finished_games(infos):
+        for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
             print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
+    writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
     envs.close()
     writer.close()
-    print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} "
-          f"over {len(scores)} games")
+    games = "game" if len(scores) == 1 else "games"
+    print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
+          f"{games} (agent at step {step:,})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,9 +760,10 @@ def main(args: Args, explicit: set[str] = frozenset()):
 
     # device: the one place it is chosen
     use_cuda = args.cuda and torch.cuda.is_available()
-    if args.cuda and not use_cuda and rank == 0:
-        print("note: CUDA is not available; training on the CPU (--no-cuda silences this)")
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if rank == 0:
+        why = "" if use_cuda else " (--no-cuda)" if not args.cuda else " (CUDA is not available)"
+        print(f"device: {device}{why}", flush=True)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
@@ -794,7 +826,9 @@ def main(args: Args, explicit: set[str] = frozenset()):
                 "recent_returns": list(recent)})
 
     writer = None
+    shown = shown_path(run_dir)
     if rank == 0:
+        print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
         os.makedirs(run_dir, exist_ok=True)
         if ckpt is None:  # iteration 0, before any event: a run folder always has a checkpoint
             checkpoint(0)
@@ -963,10 +997,11 @@ def main(args: Args, explicit: set[str] = frozenset()):
     # close: final checkpoint and the trained agent with its arguments
     if iteration >= start_iteration and iteration % args.checkpoint_interval and not stopped:
         checkpoint(iteration)
-    if rank == 0:
+    if rank == 0:  # the latest weights; finished: the run reached --total-timesteps
         torch.save({"model": agent.state_dict(), "args": dataclasses.asdict(args),
-                    "global_step": global_step}, os.path.join(run_dir, "agent.pt"))
-        print(f"\nrun folder: {run_dir}" if is_tty else f"run folder: {run_dir}")
+                    "global_step": global_step, "finished": iteration == num_iterations},
+                   os.path.join(run_dir, "agent.pt"))
+        print(f"\nrun folder: {shown}" if is_tty else f"run folder: {shown}")
     envs.close()
     if writer is not None:
         writer.close()
@@ -977,7 +1012,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
     if stopped:
         if rank == 0:
             print("stopped by signal; checkpoint written; resume with: " + shlex.join(
-                [sys.executable, sys.argv[0], "--resume", run_dir]), flush=True)
+                [sys.executable, sys.argv[0], "--resume", shown]), flush=True)
         raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
     return agent
 

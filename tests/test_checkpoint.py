@@ -116,10 +116,19 @@ def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(wor
         out = run_script(["--resume", run, *args], cwd=workdir)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert sorted(os.listdir(run)) == before
+    # a finished run is complete: nothing written, with the way to extend it
+    out = run_script(["--resume", run], cwd=workdir)
+    assert out.returncode == 0 and "is already complete: it has run 64 steps" in out.stdout
+    assert sorted(os.listdir(run)) == before
     out = run_script(["--resume", run, "--total-timesteps", "128", "--num-envs", "2"], cwd=workdir)
     assert out.returncode == 0, out.stderr
+    assert "at step 64 of 128 (1 iterations left); --total-timesteps changed from 64" in out.stdout
+    assert "schedule is re-planned over the new total (0 -> 0.000125 now" in out.stdout
     assert P.load_checkpoint(run)["global_step"] == 128
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [64, 128]
+    lr = scalars(run, raw=True)["charts/learning_rate"]
+    # re-planned over 128 steps, as README says (float32 events)
+    np.testing.assert_allclose([v for _, v in lr], [2.5e-4, 1.25e-4], rtol=1e-6)
 
 
 def test_ctrl_c_writes_a_checkpoint_and_prints_a_working_resume_command(workdir):
@@ -205,7 +214,8 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
     torch.save(state, tmp_path / "six_actions.pt")
     cases = [(["--resume", "truncated.pt"], "cannot load truncated.pt as a safe checkpoint"),
              (["--eval-checkpoint", "six_actions.pt"], "with 6 actions; this game has 4"),
-             (["--resume", "six_actions.pt"], "with 6 actions; this game has 4"),
+             (["--resume", "six_actions.pt", "--total-timesteps", "256"],
+              "with 6 actions; this game has 4"),
              (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
               "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
     for args, message in cases:
@@ -217,20 +227,30 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
 
 def test_evaluation_plays_full_games_and_logs_them(trained):
     cwd, run = trained
-    out = run_script(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "2",
-                      "--no-cuda", "--capture-video"], cwd=cwd)
+    command = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "2",
+               "--no-cuda", "--capture-video"]
+    out = run_script(command, cwd=cwd)
     assert out.returncode == 0, out.stderr
     games = [line for line in out.stdout.splitlines() if line.startswith("game ")]
     assert len(games) == 2
     assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout
-    assert "over 2 games" in out.stdout
-    logged = scalars(os.path.join(run, "eval"))["eval/episodic_return"]
-    assert [s for s, _ in logged] == [1, 2]
+    assert "over 2 games (agent at step 128)" in out.stdout
+    assert "device: cpu (--no-cuda)" in out.stdout and "training" not in out.stdout
+    (folder,) = os.listdir(os.path.join(run, "eval"))  # each evaluation: a TensorBoard run
+    assert folder.startswith("step128-seed1-")
+    logged = scalars(os.path.join(run, "eval", folder))
+    assert [s for s, _ in logged["eval/episodic_return"]] == [1, 2]
     scores = [float(line.split("score ")[1].split(",")[0]) for line in games]
-    assert [v for _, v in logged] == scores
+    assert [v for _, v in logged["eval/episodic_return"]] == scores
+    assert logged["eval/mean_episodic_return"] == [(128, sum(scores) / 2)]
+    # full games only: the game the autoreset began after the last one leaves no video
     videos = sorted(os.listdir(os.path.join(run, "eval-videos")))
-    assert videos[:2] == ["game-0.mp4", "game-1.mp4"]
+    assert videos == ["game-0.mp4", "game-1.mp4"]
     assert os.path.getsize(os.path.join(run, "eval-videos", "game-0.mp4")) > 1000
+    # seeded: the same command plays the same games, and logs them apart
+    again = run_script(command[:4] + ["--no-cuda"], cwd=cwd)
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("game ")] == games
+    assert len(os.listdir(os.path.join(run, "eval"))) == 2
 
 
 def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
@@ -252,6 +272,7 @@ def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
     assert procs["term"].returncode == 143 and "resume with: " in out, err
     (run,) = run_dirs(tmp_path / "term")
     assert P.load_checkpoint(run)["global_step"] >= 64
+    assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False  # the latest
     out, err = procs["twice"].communicate(timeout=120)
     assert procs["twice"].returncode == 130 and "second Ctrl-C: exiting now" in err
     assert "resume with: " not in out

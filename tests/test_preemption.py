@@ -35,7 +35,7 @@ def test_same_command_after_sigterm_finishes_the_run_with_clean_curves(tmp_path)
     assert ITER <= stopped_at < total
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
-    assert f"continuing {run} at step {stopped_at:,} of {total:,}" in again.stdout
+    assert f"continuing runs/job at step {stopped_at:,} of {total:,}" in again.stdout
     assert run_dirs(tmp_path) == [run]
     assert P.load_checkpoint(run)["global_step"] == total
     steps = [s for s, _ in scalars(run, raw=True)["charts/SPS"]]  # every event as written
@@ -45,7 +45,7 @@ def test_same_command_after_sigterm_finishes_the_run_with_clean_curves(tmp_path)
     before = listing(run)
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert f"is already complete: step {total:,} of {total:,}" in done.stdout
+    assert f"is already complete: it has run {total:,} steps" in done.stdout
     assert listing(run) == before
 
 

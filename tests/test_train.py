@@ -25,9 +25,14 @@ def test_file_alone_trains_and_logs_every_tag(tmp_path):
     out = run_script([*TINY, "--num-steps", "64", "--total-timesteps", "512", "--capture-video"],
                      cwd=tmp_path, script=str(tmp_path / "ppo_atari.py"))
     assert out.returncode == 0, out.stderr
-    assert "note: CUDA is not available" not in out.stdout  # --no-cuda asked for the CPU
+    assert "device: cpu (--no-cuda)\n" in out.stdout  # one line, saying why
     assert "step 512/512" in out.stdout  # the last progress line, plain when not a terminal
+    assert "A.L.E" not in out.stderr, "the ALE banner is silenced"
     (run,) = run_dirs(tmp_path)
+    shown = os.path.relpath(run, tmp_path)
+    first = out.stdout.splitlines()[0]  # where it writes, when it starts, in the final form
+    assert first == f"run folder: {shown}; watch it with: tensorboard --logdir {shown}"
+    assert out.stdout.splitlines()[-1] == f"run folder: {shown}"
     assert os.path.basename(run).startswith("BreakoutNoFrameskip-v4__ppo_atari__1__")
     logged = scalars(run)
     assert set(TAGS) <= set(logged), set(TAGS) - set(logged)
@@ -42,6 +47,7 @@ def test_file_alone_trains_and_logs_every_tag(tmp_path):
     assert video.get(cv2.CAP_PROP_FRAME_COUNT) > 500 and video.get(cv2.CAP_PROP_FRAME_WIDTH) == 160
     saved = P.load_checkpoint(os.path.join(run, "agent.pt"))
     assert saved["args"]["num_steps"] == 64 and saved["global_step"] == 512
+    assert saved["finished"] is True
 
 
 def test_same_seed_gives_the_same_losses(tmp_path):
