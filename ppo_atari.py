@@ -6,6 +6,7 @@ under torchrun.
     python ppo_atari.py --env-id BreakoutNoFrameskip-v4          # train, CUDA if available
     tensorboard --logdir runs                                    # watch
     python ppo_atari.py --resume runs/<run>                      # continue a stopped run
+    python ppo_atari.py --run-name NAME                          # the same command continues
     python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt    # score a saved agent
     torchrun --nproc_per_node 2 ppo_atari.py                     # several processes/GPUs
 
@@ -229,8 +230,8 @@ class VideoRecorder(gym.Wrapper):
         if self.writer is not None:
             self.writer.release()
             self.writer = None
-            if not complete:  # a game cut off by close(): not a full game, not kept
-                os.remove(self.path)
+            if not complete and self.every_game:  # evaluation keeps full games only; training
+                os.remove(self.path)  # keeps the last, cut-off game (a short run may have no other)
 
     def close(self):
         self._finish(complete=False)
@@ -732,7 +733,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
 
     # arguments: a resumed run takes its checkpoint's, with the safe overrides given now
     ckpt = None
-    if args.resume is None and args.run_name is not None and run_folder_started(args.run_name):
+    if (args.resume is None and args.eval_checkpoint is None and args.run_name is not None
+            and run_folder_started(args.run_name)):
         args = dataclasses.replace(args, resume=os.path.join("runs", args.run_name))
     if args.resume is not None:
         ckpt = load_checkpoint(args.resume)
@@ -761,9 +763,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
     # device: the one place it is chosen
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if rank == 0:
-        why = "" if use_cuda else " (--no-cuda)" if not args.cuda else " (CUDA is not available)"
-        print(f"device: {device}{why}", flush=True)
+    why = "" if use_cuda else " (--no-cuda)" if not args.cuda else " (CUDA is not available)"
+    device_line = f"device: {device}{why}"  # printed after the run folder, on rank 0
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
@@ -775,6 +776,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
+        if rank == 0:
+            print(device_line, flush=True)
         return evaluate(args, device, explicit) if rank == 0 else None
     if distributed:
         join_process_group("nccl" if use_cuda else "gloo", rank, world_size, args.dist_timeout)
@@ -829,6 +832,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
     shown = shown_path(run_dir)
     if rank == 0:
         print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
+        print(device_line, flush=True)
         os.makedirs(run_dir, exist_ok=True)
         if ckpt is None:  # iteration 0, before any event: a run folder always has a checkpoint
             checkpoint(0)

@@ -33,6 +33,7 @@ import ppo_atari as P  # noqa: E402
 
 CONFIGS = {  # name: ppo_atari.py flags (plain is the hand port below)
     "plain": None,
+    "default": [],  # --env-backend auto: sync on a CPU, async on CUDA with 4+ cores
     "sync": ["--env-backend", "sync"],
     "async": ["--env-backend", "async"],
     "ale": ["--env-backend", "ale"],
@@ -145,9 +146,10 @@ def bound_worker(name, num_envs, device, out):
 
 def env_worker(name, num_envs, out):
     """The env alone: the configuration's backend stepped with random actions, no network."""
-    flags = CONFIGS[name] or ["--env-backend", "sync"]
-    envs = P.make_envs(P.Args(env_backend=flags[flags.index("--env-backend") + 1],
-                              num_envs=num_envs), seed=1)
+    flags = CONFIGS[name] if CONFIGS[name] is not None else ["--env-backend", "sync"]
+    backend = flags[flags.index("--env-backend") + 1] if flags else P.choose_backend(
+        P.Args(), torch.cuda.is_available(), 1)
+    envs = P.make_envs(P.Args(env_backend=backend, num_envs=num_envs), seed=1)
     envs.reset(seed=1)
     rng, times = np.random.default_rng(1), []
     for _ in range(3):

@@ -122,8 +122,9 @@ def run_one(source, fragment, replacement, files, timeout):
             f.write(source.replace(fragment, replacement))
         start = time.time()
         try:
-            out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                  *[os.path.join("tests", f) for f in files]], cwd=tmp,
+            out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                                  "no:cacheprovider", *[os.path.join("tests", f) for f in files]],
+                                 cwd=tmp,
                                  capture_output=True, text=True, timeout=timeout)
             verdict = "CAUGHT" if out.returncode == 1 else "MISSED" if out.returncode == 0 else \
                 f"ERROR (pytest exit {out.returncode})"

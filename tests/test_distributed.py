@@ -57,4 +57,5 @@ def test_two_processes_train_in_step_and_resume(tmp_path):
     out = torchrun(tmp_path, "--eval-checkpoint", run, "--eval-episodes", "1", "--no-cuda",
                    script="ppo_atari.py")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("game 1: score") == 1 and "over 1 game (agent at step 384)" in out.stdout
+    assert out.stdout.count("game 1: score") == 1
+    assert "over 1 game (agent at step 384)" in out.stdout
