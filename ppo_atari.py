@@ -10,7 +10,8 @@ under torchrun.
     python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt    # score a saved agent
     torchrun --nproc_per_node 2 ppo_atari.py                     # several processes/GPUs
 
-Tested with Python 3.11, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0.
+Tested with Python 3.11 (3.12 and 3.13: unit tests), torch 2.13, gymnasium 1.4, ale-py 0.12,
+tyro 1.0, opencv 5.0.
 """
 import collections
 import dataclasses
@@ -148,7 +149,7 @@ def explicit_fields(argv: list[str]) -> set[str]:
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "eval_episodes"):
+                 "checkpoint_interval", "eval_episodes", "dist_timeout"):
         if getattr(args, name) < 1:
             value = getattr(args, name)
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -197,8 +198,9 @@ def check_env_id(env_id: str):
 
 
 class VideoRecorder(gym.Wrapper):
-    """Writes full games to mp4 with OpenCV: every game, or only games 0, 1, 8, 27, ... (cubes)
-    then every 1000th. Innermost, so it sees every emulator frame and only real game overs."""
+    """Writes games to mp4 with OpenCV: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with
+    every_game (evaluation) every full game and no cut-off one. Innermost, so it sees every
+    emulator frame and only real game overs."""
 
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
