@@ -13,6 +13,7 @@ under torchrun.
 Tested with Python 3.11 (3.12 and 3.13: unit tests), torch 2.13, gymnasium 1.4, ale-py 0.12,
 tyro 1.0, opencv 5.0.
 """
+import atexit
 import collections
 import dataclasses
 import datetime
@@ -73,7 +74,7 @@ class Args:
     env_backend: Literal["auto", "sync", "async", "ale"] = "auto"
     """auto: async when training on CUDA with at least 4 cores per process, else sync; sync/async:
     the in-file wrappers, in this process or a process per env (same numbers); ale: ale-py's C++
-    env, opt-in, not the wrappers (max of gray frames, its own start, a FIRE step per lost life)"""
+    env, opt-in, not the wrappers (gray-then-max frames, its own start, a masked FIRE per life)"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
     learning_rate: float = 2.5e-4
@@ -423,7 +424,10 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
     if args.env_backend == "async":  # spawn: a forked CUDA context or NCCL group is not safe
-        return gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
+        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
+        # workers outlive SIGTERM (see make_env), so a trainer that crashes kills them itself
+        atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
+        return envs
     return gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
 
 

@@ -157,3 +157,18 @@ def test_trainer_masks_the_ale_fire_steps(workdir, monkeypatch):
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=1, update_epochs=1, cuda=False,
                   total_timesteps=64, env_backend="sync"))
     assert seen == [None]  # the in-file wrappers: CleanRL's unmasked loss
+
+
+def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
+    """The workers outlive SIGTERM for the trainer's checkpoint; a trainer that crashes must
+    still exit at once instead of waiting out their 60 s."""
+    source = open(SCRIPT).read()
+    line = "    advantages = torch.zeros_like(rewards)\n"
+    assert source.count(line) == 1
+    (tmp_path / "ppo_atari.py").write_text(source.replace(
+        line, "    raise RuntimeError('bug in a fork')\n"))
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "ppo_atari.py"), *TINY,
+                             "--total-timesteps", "64", "--env-backend", "async"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=50)  # about 70 s when it waits for the workers
+    assert proc.returncode == 1 and "bug in a fork" in err

@@ -139,6 +139,7 @@ def instrumented(tmp_path_factory):
         def __init__(self, params, **kw):
             seen["adam"].append(kw)
             super().__init__(params, **kw)
+            seen["optimizer"] = self
 
     real_clip, real_loss, real_gae = nn.utils.clip_grad_norm_, P.minibatch_loss, P.compute_gae
 
@@ -150,7 +151,7 @@ def instrumented(tmp_path_factory):
         logits, _ = agent(obs)
         now = torch.log_softmax(logits, -1).gather(-1, actions[:, None]).squeeze(-1)
         seen["loss"].append((actions.clone(), (now - logprob).abs().max().item(),
-                             float(rest[3])))
+                             float(rest[3]), seen["optimizer"].param_groups[0]["lr"]))
         return real_loss(agent, obs, actions, logprob, *rest)
 
     def gae(rewards, values, dones, next_value, *a):
@@ -181,13 +182,14 @@ def test_adam_eps_and_gradient_clipping(instrumented):
     assert instrumented["clip"] == [0.5] * (2 * 3 * 4)  # every minibatch step, norm 0.5
 
 
-def test_epochs_shuffled_minibatches_and_clip_annealing(instrumented):
+def test_epochs_shuffled_minibatches_and_annealing(instrumented):
     calls = instrumented["loss"]
     assert len(calls) == 2 * 3 * 4  # 2 iterations x 3 epochs x 4 minibatches
-    # clip_coef 0.1 annealed linearly: 0.1 in iteration 1, 0.05 in iteration 2
-    assert [round(c, 6) for _, _, c in calls] == [0.1] * 12 + [0.05] * 12
-    first_epoch = torch.cat([a for a, _, _ in calls[:4]])
-    second_epoch = torch.cat([a for a, _, _ in calls[4:8]])
+    # lr 2.5e-4 and clip_coef 0.1 annealed linearly: full in iteration 1, half in iteration 2
+    assert [round(c, 6) for _, _, c, _ in calls] == [0.1] * 12 + [0.05] * 12
+    assert [lr for *_, lr in calls] == [2.5e-4] * 12 + [1.25e-4] * 12
+    first_epoch = torch.cat([a for a, *_ in calls[:4]])
+    second_epoch = torch.cat([a for a, *_ in calls[4:8]])
     assert len(first_epoch) == 32
     assert not torch.equal(first_epoch, second_epoch), "minibatches not reshuffled"
 
