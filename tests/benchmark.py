@@ -18,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -239,8 +238,8 @@ def main():
           f"{bf16 / 1e9:.0f} GFLOP/s; at those rates the compute alone would take "
           f"{(update + rollout) / fp32:.2f} s (fp32), {(update + rollout) / bf16:.2f} s (bf16)")
     print(f"{a.rounds} rounds; each figure is the median over rounds")
-    print(f"| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
-          f"compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
+    print("| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
+          "compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = a.configs.split(",")
     rows = {name: [] for name in names}  # name: [(sps, rollout, update, rss, bound, env)]

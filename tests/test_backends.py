@@ -1,13 +1,11 @@
 """The default environment: the in-file wrappers, in this process (sync) or a process per env
 (async) with the same numbers; the opt-in ale backend keeps the FIRE it plays out of the policy."""
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 import ppo_atari as P
