@@ -56,7 +56,8 @@ def main():
     ax.axhline(RANDOM_BREAKOUT, color="gray", linestyle="--", label="random agent (1.7)")
     ax.set_xlabel("agent steps")
     ax.set_ylabel("average return of the last 100 games")
-    ax.set_title("BreakoutNoFrameskip-v4, first 300k steps: mean, band = min to max over seeds")
+    ax.set_title("BreakoutNoFrameskip-v4, 300k steps: mean, band = min to max over seeds",
+                 fontsize=10)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
