@@ -59,3 +59,13 @@ def test_two_processes_train_in_step_and_resume(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("game 1: score") == 1
     assert "over 1 game (agent at step 384)" in out.stdout
+
+
+def test_async_workers_start_after_the_process_group(tmp_path):
+    """Spawned env workers under torchrun: the parent has already joined the (gloo) group."""
+    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "128", "--env-backend", "async",
+                   script="ppo_atari.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = run_dirs(tmp_path)
+    assert P.load_checkpoint(run)["global_step"] == 128
