@@ -603,7 +603,7 @@ def shown_path(path: str) -> str:
 def run_folder_started(name: str) -> bool:
     """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
     before anything else); a folder with other files in it belongs to something else."""
-    if not name or name.startswith(".") or os.sep in name or (os.altsep or os.sep) in name:
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
         fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
     folder = os.path.join("runs", name)
     if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
@@ -615,36 +615,33 @@ def run_folder_started(name: str) -> bool:
 
 
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterations: int,
-                rank: int) -> str:
-    """Checks a checkpoint against this launch and says what resuming does: "complete" (the run
-    has reached --total-timesteps; nothing is written) or "continue"."""
-    done, step = ckpt["iteration"], ckpt["global_step"]
-    written_by = ckpt.get("world_size", step // max(1, done * args.num_envs * args.num_steps))
-    if done and written_by != world_size:
+                rank: int) -> bool:
+    """Checks a checkpoint against this launch, says (rank 0) what resuming does, and returns
+    True when the run has already reached --total-timesteps (then nothing is written)."""
+    done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
+    if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
+        written_by = step // (done * local_batch)
         fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
-             f"{world_size}; continue it with torchrun --nproc_per_node {written_by} (or "
-             f"{written_by} processes in all)")
-    if rank > 0:
-        return "complete" if done >= num_iterations else "continue"
+             f"{world_size}; continue it with {written_by} processes (torchrun --nproc_per_node)")
     where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
-    if done >= num_iterations:
+    if rank == 0 and done >= num_iterations:
         print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
               f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
               f"--total-timesteps", flush=True)
-        return "complete"
-    old_iterations = saved.total_timesteps // (args.num_envs * args.num_steps * world_size)
-    lr_old = (1.0 - done / old_iterations) * args.learning_rate if args.anneal_lr else None
-    lr_new = (1.0 - done / num_iterations) * args.learning_rate if args.anneal_lr else None
-    line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-            f"({num_iterations - done} iterations left)")
-    if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
-        line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-rate"
-                 f"{' and clip' if args.anneal_clip else ''} schedule is re-planned over the new "
-                 f"total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
-    elif args.anneal_lr:
-        line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
-    print(line, flush=True)
-    return "continue"
+    elif rank == 0:
+        old_iterations = saved.total_timesteps // (local_batch * world_size)
+        lr_old = (1.0 - done / old_iterations) * args.learning_rate
+        lr_new = (1.0 - done / num_iterations) * args.learning_rate
+        line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
+                f"({num_iterations - done} iterations left)")
+        if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
+            line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
+                     f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over "
+                     f"the new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
+        elif args.anneal_lr:
+            line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
+        print(line, flush=True)
+    return done >= num_iterations
 
 
 def rng_state() -> dict:
@@ -763,8 +760,8 @@ def main(args: Args, explicit: set[str] = frozenset()):
     minibatch_size = local_batch // args.num_minibatches  # per process
     num_iterations = args.total_timesteps // batch_size
     if ckpt is not None and args.eval_checkpoint is None:
-        if resume_plan(args, saved, ckpt, world_size, num_iterations, rank) == "complete":
-            return None
+        if resume_plan(args, saved, ckpt, world_size, num_iterations, rank):
+            return None  # already complete
 
     # device: the one place it is chosen
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -831,8 +828,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
             save_checkpoint(checkpoint_path, {
                 "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
                 "args": dataclasses.asdict(args), "global_step": global_step,
-                "iteration": iteration, "world_size": world_size, "rng": rng_state(),
-                "recent_returns": list(recent)})
+                "iteration": iteration, "rng": rng_state(), "recent_returns": list(recent)})
 
     writer = None
     shown = shown_path(run_dir)

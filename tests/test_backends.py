@@ -20,7 +20,7 @@ def test_sync_and_async_step_identically():
     a, _ = sync.reset(seed=5)
     b, _ = asyn.reset(seed=5)
     assert np.array_equal(a, b)
-    rng, games, terminations = np.random.default_rng(0), 0, 0
+    rng, terminations = np.random.default_rng(0), 0
     for _ in range(400):
         actions = rng.integers(0, 4, size=3)
         a, ra, ta, ua, ia = sync.step(actions)
@@ -28,7 +28,6 @@ def test_sync_and_async_step_identically():
         assert np.array_equal(a, b) and np.array_equal(ra, rb)
         assert np.array_equal(ta, tb) and np.array_equal(ua, ub)
         assert P.finished_games(ia) == P.finished_games(ib)
-        games += len(P.finished_games(ia))
         terminations += ta.sum()
     sync.close()
     asyn.close()
