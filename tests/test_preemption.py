@@ -60,10 +60,18 @@ def test_a_folder_of_something_else_is_refused(workdir):
     assert bad.returncode == 2 and "must be a plain folder name" in bad.stderr
 
 
-def test_an_empty_folder_is_used_and_a_new_run_checkpoints_before_logging(workdir):
+def test_an_empty_folder_is_used_and_a_new_run_checkpoints_before_logging(workdir, monkeypatch):
     (workdir / "runs" / "fresh").mkdir(parents=True)
-    out = run_script([*TINY, "--total-timesteps", "64", "--run-name", "fresh"], cwd=workdir)
-    assert out.returncode == 0, out.stderr
+    at_first_event, real = [], P.SummaryWriter
+
+    def writer(run_dir, **kw):  # the checkpoint a restart would find before any event exists
+        at_first_event.append(P.load_checkpoint(run_dir)["iteration"])
+        return real(run_dir, **kw)
+
+    monkeypatch.setattr(P, "SummaryWriter", writer)
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  total_timesteps=64, run_name="fresh"))
+    assert at_first_event == [0]
     assert P.load_checkpoint(str(workdir / "runs" / "fresh"))["global_step"] == 64
 
 
