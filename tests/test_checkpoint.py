@@ -255,11 +255,13 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
 
 def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
     procs = {}
-    for name in ("term", "twice"):
+    # "twice" has iterations of 256 steps x 2 envs (over a second), so that its second Ctrl-C,
+    # 0.5 s after the first, arrives before that iteration ends and the handlers are restored
+    for name, steps in (("term", "32"), ("twice", "256")):
         (tmp_path / name).mkdir()
         procs[name] = subprocess.Popen(
-            [sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000"], cwd=tmp_path / name,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [sys.executable, SCRIPT, *TINY, "--num-steps", steps, "--total-timesteps", "100000"],
+            cwd=tmp_path / name, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, proc in procs.items():
         for line in proc.stdout:
             if line.startswith("step "):
