@@ -77,6 +77,9 @@ class Args:
     env, opt-in, not the wrappers (gray-then-max frames, its own start, a masked FIRE per life)"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
+    stop_at_step: int | None = None
+    """stop with a checkpoint after the iteration that reaches this many steps, keeping the
+    schedule planned for --total-timesteps; the same command without it continues the run"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 8
@@ -131,7 +134,7 @@ class Args:
 # game nor the optimisation already done.
 RESUME_OVERRIDABLE = {"total_timesteps", "checkpoint_interval", "track", "wandb_project_name",
                       "wandb_entity", "capture_video", "cuda", "compile", "env_backend", "resume",
-                      "run_name", "dist_timeout"}
+                      "run_name", "dist_timeout", "stop_at_step"}
 
 
 def fail(message: str, code: int = 2):
@@ -150,8 +153,8 @@ def explicit_fields(argv: list[str]) -> set[str]:
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "eval_episodes", "dist_timeout"):
-        if getattr(args, name) < 1:
+                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             value = getattr(args, name)
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     for name in ("learning_rate", "clip_coef"):
@@ -624,7 +627,12 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterat
         fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
              f"{world_size}; continue it with {written_by} processes (torchrun --nproc_per_node)")
     where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
-    if rank == 0 and done >= num_iterations:
+    past_stop = done < num_iterations and bool(args.stop_at_step and step >= args.stop_at_step)
+    if rank == 0 and past_stop:
+        print(f"{where} has run {step:,} steps, already past --stop-at-step "
+              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
+              f"continue to {args.total_timesteps:,}", flush=True)
+    elif rank == 0 and done >= num_iterations:
         print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
               f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
               f"--total-timesteps", flush=True)
@@ -641,7 +649,7 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterat
         elif args.anneal_lr:
             line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
         print(line, flush=True)
-    return done >= num_iterations
+    return done >= num_iterations or past_stop
 
 
 def rng_state() -> dict:
@@ -747,7 +755,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
             if getattr(args, name) != getattr(saved, name):
                 fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
                      f"{getattr(saved, name)!r}); drop it or start a new run")
-        overrides = (explicit & RESUME_OVERRIDABLE) | {"resume"}
+        overrides = (explicit & RESUME_OVERRIDABLE) | {"resume", "stop_at_step"}  # never saved
         args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
     check_args(args, world_size)
     if args.track:
@@ -960,6 +968,7 @@ def main(args: Args, explicit: set[str] = frozenset()):
         summary = summary.tolist()
         update_time = time.time() - t0  # advantages + update; measured after the sync
         stopped = summary[9] > 0
+        at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         if summary[8] < 1.0 or not np.isfinite(summary[:7]).all():
             kept = (f"the last good checkpoint is {checkpoint_path}" if os.path.exists(
                 checkpoint_path) else "no checkpoint had been written")
@@ -995,19 +1004,25 @@ def main(args: Args, explicit: set[str] = frozenset()):
                 print(f"\r{line}   " if is_tty else line, end="" if is_tty else "\n", flush=True)
                 last_print = now
 
-        if iteration % args.checkpoint_interval == 0 or stopped:
+        if iteration % args.checkpoint_interval == 0 or stopped or at_stop:
             checkpoint(iteration)
-        if stopped:
+        if stopped or at_stop:
             break
 
     # close: final checkpoint and the trained agent with its arguments
-    if iteration >= start_iteration and iteration % args.checkpoint_interval and not stopped:
+    at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
+    if (iteration >= start_iteration and iteration % args.checkpoint_interval and not stopped
+            and not at_stop):
         checkpoint(iteration)
     if rank == 0:  # the latest weights; finished: the run reached --total-timesteps
         torch.save({"model": agent.state_dict(), "args": dataclasses.asdict(args),
                     "global_step": global_step, "finished": iteration == num_iterations},
                    os.path.join(run_dir, "agent.pt"))
         print(f"\nrun folder: {shown}" if is_tty else f"run folder: {shown}")
+        if at_stop and iteration < num_iterations:
+            print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
+                  f"{args.total_timesteps:,} with: " + shlex.join(
+                      [sys.executable, sys.argv[0], "--resume", shown]), flush=True)
     envs.close()
     if writer is not None:
         writer.close()
