@@ -1,24 +1,22 @@
 """PPO on Atari in one file: the clipped-surrogate PPO of Schulman et al. (2017) with the Atari
-details of record (openai/baselines ppo2, CleanRL), fast on CPU and GPU, resumable, and runnable
-under torchrun.
+details of record (openai/baselines ppo2, CleanRL), resumable, and runnable under torchrun.
 
-    pip install -r requirements.txt
     python ppo_atari.py --env-id BreakoutNoFrameskip-v4          # train, CUDA if available
     tensorboard --logdir runs                                    # watch
-    python ppo_atari.py --resume runs/<run>                      # continue a stopped run
     python ppo_atari.py --run-name NAME                          # the same command continues
     python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt    # score a saved agent
     torchrun --nproc_per_node 2 ppo_atari.py                     # several processes/GPUs
 
-Tested with Python 3.11 (3.12 and 3.13: unit tests), torch 2.13, gymnasium 1.4, ale-py 0.12,
-tyro 1.0, opencv 5.0.
+Top to bottom: Args, the Atari wrappers, the network, pure helpers (GAE, loss, checkpoints), the
+phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, main.
+Tested with Python 3.11 (3.12, 3.13: unit tests), torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0.
 """
 import atexit
 import collections
 import dataclasses
 import datetime
 import difflib
-import multiprocessing
+import importlib.util
 import os
 import random
 import shlex
@@ -28,15 +26,18 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import ale_py  # importing registers the Atari ids with gymnasium; the ROMs ship in the wheel
-import cv2
-import gymnasium as gym
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import tyro
-from torch.utils.tensorboard import SummaryWriter
+# Before torch loads OpenMP: idle threads sleep instead of spinning, so that a second training on
+# the same cores does not collapse (2 cores: 270 SPS for two trainings spinning, 757 sleeping)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import ale_py  # noqa: E402  (importing registers the Atari ids; the ROMs ship in the wheel)
+import cv2  # noqa: E402
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import tyro  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 gym.register_envs(ale_py)
 ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every start; errors show
@@ -57,9 +58,12 @@ class Args:
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
-    """True: cudnn picks deterministic kernels (torch.backends.cudnn.deterministic)"""
+    """True: cudnn picks deterministic kernels (and cudnn.benchmark stays off)"""
     cuda: bool = True
     """True: train on CUDA when it is available"""
+    threads: int | None = None
+    """torch's CPU threads per process; None: the cores this process may use, divided by the
+    processes torchrun starts on this node (idle threads sleep: OMP_WAIT_POLICY=PASSIVE)"""
     track: bool = False
     """True: also log to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ppo-atari"
@@ -71,10 +75,9 @@ class Args:
 
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the Atari environment (NoFrameskip-v4 or ALE/...-v5)"""
-    env_backend: Literal["auto", "sync", "async", "ale"] = "auto"
-    """auto: async when training on CUDA with at least 4 cores per process, else sync; sync/async:
-    the in-file wrappers, in this process or a process per env (same numbers); ale: ale-py's C++
-    env, opt-in, not the wrappers (gray-then-max frames, its own start, a masked FIRE per life)"""
+    env_backend: Literal["auto", "sync", "async"] = "auto"
+    """how the in-file wrappers are stepped: sync (in this process) or async (a process per env),
+    same numbers; auto: async when training on CUDA with at least 4 cores per process, else sync"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
     stop_at_step: int | None = None
@@ -114,9 +117,9 @@ class Args:
     """stop an update's epochs early when approx_kl exceeds this; None: never"""
 
     precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 autocast for the network (CUDA; CPUs with AVX512-BF16 or AMX)"""
+    """fp32, or bf16 autocast for the network's trunk (CUDA; CPUs with AVX512-BF16 or AMX)"""
     compile: bool = False
-    """True: torch.compile the rollout policy step and the minibatch loss"""
+    """True: torch.compile the rollout's policy and the minibatch loss"""
     checkpoint_interval: int = 50
     """write checkpoint.pt every this many iterations (and at the end)"""
     resume: str | None = None
@@ -130,11 +133,12 @@ class Args:
     """torchrun: seconds a rendezvous or collective may wait for the other processes, then fail"""
 
 
-# Arguments that may differ from a checkpoint's when resuming: they change neither the network, the
-# game nor the optimisation already done.
+# May differ from the checkpoint's when resuming: they change neither the network, the game nor
+# the optimisation already done. The last line: this launch's own, never taken from a checkpoint.
 RESUME_OVERRIDABLE = {"total_timesteps", "checkpoint_interval", "track", "wandb_project_name",
-                      "wandb_entity", "capture_video", "cuda", "compile", "env_backend", "resume",
-                      "run_name", "dist_timeout", "stop_at_step"}
+                      "wandb_entity", "capture_video", "compile", "env_backend", "run_name",
+                      "dist_timeout", "resume", "stop_at_step", "cuda", "threads"}
+LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
 
 
 def fail(message: str, code: int = 2):
@@ -150,12 +154,19 @@ def explicit_fields(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no_") and n[3:] in fields else n for n in names} & fields
 
 
+def given_fields(args: Args) -> set[str]:
+    """main(Args(...)) called from Python: the fields that differ from their defaults."""
+    return {f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(
+        Args(), f.name)}
+
+
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            value = getattr(args, name)
+                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
+                 "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     for name in ("learning_rate", "clip_coef"):
         if not getattr(args, name) > 0:
@@ -168,21 +179,29 @@ def check_args(args: Args, world_size: int = 1):
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
              f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
     check_env_id(args.env_id)
-    if args.capture_video and args.env_backend == "ale" and args.eval_checkpoint is None:
-        fail("--capture-video needs the in-file wrappers (ale-py's vector env renders no "
-             "frames): drop --env-backend ale")
+
+
+def game_of(env_id: str) -> str:
+    """'ALE/Pong-v5', 'PongNoFrameskip-v4', 'pong' -> 'pong'."""
+    name = env_id.removeprefix("ALE/").split("-")[0]
+    return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
 
 
 def check_env_id(env_id: str):
     """Only ALE image environments fit the wrappers and the CNN, and only the ids whose settings
     the trainer keeps: NoFrameskip-v4 (no sticky actions) and ALE/...-v5 (sticky actions 0.25).
-    Plain -v4 ids skip a random 2-4 frames and -v0 ids have sticky actions: both are refused."""
+    Plain -v4 ids skip a random 2-4 frames and -v0 ids have sticky actions: both are refused.
+    An unknown id is matched on its game's name: GameNoFrameskip-v4 first, else ALE/Game-v5."""
     def wanted(name):
         return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
 
     if env_id not in gym.registry:
-        close = difflib.get_close_matches(env_id, [n for n in gym.registry if wanted(n)], 3, 0.6)
-        hint = f"did you mean {' or '.join(close)}?" if close else "e.g. BreakoutNoFrameskip-v4"
+        ids = {}  # game name -> its recommended id
+        for name in sorted(filter(wanted, gym.registry), key=lambda n: n.startswith("ALE/")):
+            ids.setdefault(game_of(name), name)
+        close = difflib.get_close_matches(game_of(env_id), list(ids), 2, 0.75)
+        hint = f"did you mean {' or '.join(ids[g] for g in close)}?" if close else \
+            "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
         fail(f"unknown --env-id {env_id!r}; {hint}")
     spec = gym.spec(env_id)
     image = spec.kwargs.get("obs_type", "rgb") == "rgb"
@@ -217,9 +236,8 @@ class VideoRecorder(gym.Wrapper):
         if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
             os.makedirs(self.folder, exist_ok=True)
             self.path = os.path.join(self.folder, f"game-{k}.mp4")
-            height, width = obs.shape[:2]
-            fourcc = cv2.VideoWriter_fourcc(*"mp4v")
-            self.writer = cv2.VideoWriter(self.path, fourcc, 60, (width, height))
+            self.writer = cv2.VideoWriter(self.path, cv2.VideoWriter_fourcc(*"mp4v"), 60,
+                                          (obs.shape[1], obs.shape[0]))
         self._write(obs)
         return obs, info
 
@@ -340,17 +358,19 @@ class GrayResize(gym.ObservationWrapper):
         return cv2.resize(gray, (self.size, self.size), interpolation=cv2.INTER_AREA)
 
 
-def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game=False):
-    """A thunk for the vector env: one Atari game with the wrappers of record.
-    Observations (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
+def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game=False,
+             trainer_pid: int | None = None):
+    """A thunk for the vector env: one Atari game with the wrappers of record. Observations
+    (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over. trainer_pid
+    (async): called in any other process, the thunk is building an env worker."""
 
     def thunk():
-        if multiprocessing.parent_process() is not None:  # an async worker
-            # Ctrl-C (a terminal) and SIGTERM (SLURM) reach every process; the trainer finishes
-            # its iteration and checkpoints, so a worker keeps serving it: SIGINT is ignored and
-            # SIGTERM ends the worker only 60 s later (SIGALRM), if the trainer has not closed it
+        if trainer_pid not in (None, os.getpid()):  # Ctrl-C and SIGTERM (SLURM) reach every
+            # process: the trainer finishes its
+            # iteration and checkpoints, so a worker ignores both and serves it until it
+            # closes the envs, or dies (the worker's pipe closes and it exits)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, lambda *_: signal.alarm(60))
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
         gym.register_envs(ale_py)  # a spawned worker registers the ids itself
         env = gym.make(env_id, frameskip=1)  # frame skipping is done by MaxAndSkip
@@ -371,77 +391,33 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     return thunk
 
 
-class AleGames(gym.vector.VectorWrapper):
-    """Makes ale-py's C++ AtariVectorEnv behave as the in-file wrappers do:
-    - the step after a lost life plays FIRE whatever the agent chose (as FireReset does inside
-      the pseudo-reset), and that step's observation, like a game's first, repeats its newest
-      frame four times (FrameStackObservation pads after a reset; ale-py pads with zeros);
-    - info["overridden"] marks the envs whose action was replaced by that FIRE: the trainer
-      keeps those samples out of the policy and entropy terms (`ppo_loss(mask=...)`);
-    - rewards are clipped here (ale-py's clipping would hide the raw score), and full games
-      are reported in info["final_info"]["episode"]: raw score, length in emulator frames.
-    A game is over on truncation, or on a termination without a life lost (the same-step reset
-    has already restored the lives)."""
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        action_set, fire = self.env.ale.get_action_set(), ale_py.Action.FIRE
-        self.fire_action = action_set.index(fire) if fire in action_set else -1
-        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        self.returns, self.fire = np.zeros(self.num_envs), np.zeros(self.num_envs, bool)
-        obs[:, :3] = obs[:, 3:]
-        return obs, info
-
-    def step(self, actions):
-        overridden = self.fire.copy()
-        actions = np.where(overridden, self.fire_action, np.asarray(actions, np.int64))
-        obs, reward, terminated, truncated, info = self.env.step(actions)
-        info["overridden"] = overridden  # these envs played FIRE, not the agent's action
-        self.returns += reward
-        over = truncated | (terminated & (info["lives"] >= self.lives))
-        if over.any():
-            info["final_info"] = {"episode": {"r": self.returns.copy(), "l": self.frames + 4},
-                                  "_episode": over}
-            self.returns[over] = 0
-        fresh = over | self.fire
-        obs[fresh, :3] = obs[fresh, 3:]
-        self.fire = terminated & ~over & (self.fire_action >= 0)
-        self.lives, self.frames = info["lives"].copy(), info["episode_frame_number"].copy()
-        return obs, np.sign(reward).astype(np.float32), terminated, truncated, info
-
-
 def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game=False):
-    """The vector env. Same-step autoreset: a finished env is reset inside step(), the returned
-    obs is the new episode's first, and no transition of the reset enters the batch."""
-    if args.env_backend == "ale":
-        # The same preprocessing in C++ threads; AleGames adds what differs (README).
-        kwargs = gym.spec(args.env_id).kwargs
-        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return AleGames(ale_py.vector_env.AtariVectorEnv(
-            kwargs["game"], args.num_envs, num_threads=threads, autoreset_mode="SameStep",
-            repeat_action_probability=kwargs.get("repeat_action_probability", 0.0),
-            max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", 108_000),
-            frameskip=4, noop_max=30, use_fire_reset=True, episodic_life=False,
-            life_loss_info=True, reward_clipping=False))
-    thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
+    """The vector env over the wrappers above. Same-step autoreset: a finished env is reset inside
+    step(), the returned obs is the new episode's first, and no reset transition enters a batch."""
+    trainer = os.getpid() if args.env_backend == "async" else None
+    thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
-    if args.env_backend == "async":  # spawn: a forked CUDA context or NCCL group is not safe
+    if trainer:  # spawn: a forked CUDA context or NCCL group is not safe
         envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
-        # workers outlive SIGTERM (see make_env), so a trainer that crashes kills them itself
+        # the workers ignore SIGTERM (see make_env), so a trainer that crashes kills them itself
         atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
         return envs
     return gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its SLURM or cgroup allocation), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
-    """--env-backend auto: the in-file wrappers either way. A process per env (async) pays off
-    only when the network does not need the cores: on CUDA with 4 or more cores per process.
-    On a CPU the envs and the network take turns on the same cores and sync is faster."""
+    """--env-backend auto: a process per env (async) pays off only when the network does not
+    need the cores, on CUDA with 4 or more cores per process; on a CPU the envs and the network
+    take turns on the same cores and sync is faster."""
     if args.env_backend != "auto":
         return args.env_backend
-    cores = (os.cpu_count() or 1) // local_processes
-    return "async" if use_cuda and cores >= 4 else "sync"
+    return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
 def finished_games(infos: dict) -> list[tuple[float, int]]:
@@ -464,35 +440,42 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads."""
+    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. Another network
+    is another Agent: the rest of the file uses only forward(obs) -> (logits, value)."""
 
-    def __init__(self, n_actions: int):
+    def __init__(self, obs_shape: tuple, n_actions: int):
         super().__init__()
-        self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU(),
-        )
+        convs = [layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
+                 layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+                 layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten()]
+        with torch.no_grad():  # the flattened size from a dummy frame: 64 * 7 * 7 at 84x84
+            n_flat = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
+        self.network = nn.Sequential(*convs, layer_init(nn.Linear(n_flat, 512)), nn.ReLU())
         self.actor = layer_init(nn.Linear(512, n_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def forward(self, obs):
-        """obs (B, 4, 84, 84) uint8 -> logits (B, n_actions) float32, value (B,) float32."""
+        """obs (B, C, H, W) uint8 -> logits (B, n_actions) float32, value (B,) float32."""
         # scaled in place (one fewer 29 MB buffer per minibatch of 256, bit-identical to
         # `/ 255.0`); copy=True so that a float input is never scaled under its owner's feet
         x = obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0)
         hidden = self.network(x)
-        return self.actor(hidden).float(), self.critic(hidden).float().squeeze(-1)
+        # the heads in float32 under bf16 autocast: bf16 would round values of 8-16 to 0.0625
+        with torch.autocast(x.device.type, enabled=False):
+            hidden = hidden.float()
+            return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
-
-def policy_step(agent: Agent, obs):
-    """Sample actions for a rollout step: action (B,) int64, logprob (B,), value (B,)."""
-    logits, value = agent(obs)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    action = torch.multinomial(logp_all.exp(), 1).squeeze(-1)
-    return action, logp_all.gather(-1, action[:, None]).squeeze(-1), value
+    def get_action_and_value(self, obs, action=None):
+        """CleanRL's interface: (action, log-probability, entropy, value), each (B,); samples the
+        action when none is given. The one place the policy's distribution is written, as
+        log_softmax + multinomial (no torch.distributions.Categorical object)."""
+        logits, value = self(obs)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if action is None:
+            action = torch.multinomial(logp_all.exp(), 1).squeeze(-1)
+        logprob = logp_all.gather(-1, action[:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return action, logprob, entropy, value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,60 +498,45 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
     return advantages, advantages + values
 
 
-def kept_mean(x, mask=None):
-    """Mean over the samples whose mask is 1; all of them without a mask."""
-    return x.mean() if mask is None else (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, clip_coef,
-             norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5, mask=None):
+             norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5):
     """The PPO objective on one minibatch (all tensors (B,); clip_coef a float or 0-d tensor).
-    mask (B,) float, optional: 0 for a sample whose action the env replaced (the ale backend's
-    FIRE after a lost life); such a sample is left out of the policy and entropy terms and of
-    the advantage statistics, but still trains the value. Returns the loss to minimise and,
-    detached, [pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac, value_clipfrac]."""
+    Returns the loss to minimise and its metrics: a dict of detached 0-d tensors, each logged as
+    losses/<name> (the mean over the iteration's minibatches and ranks)."""
     logratio = newlogprob - logprob
     ratio = logratio.exp()
-    if norm_adv and mask is None:
+    if norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    elif norm_adv:  # the kept samples' mean and (unbiased) std
-        mean = kept_mean(advantages, mask)
-        var = ((advantages - mean) ** 2 * mask).sum() / (mask.sum() - 1).clamp(min=1)
-        advantages = (advantages - mean) / (var.sqrt() + 1e-8)
-    pg_loss = kept_mean(torch.max(-advantages * ratio,
-                                  -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)),
-                        mask)
+    pg_loss = torch.max(-advantages * ratio,
+                        -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
     if clip_vloss:  # baselines ppo2: the value may move at most clip_coef from its rollout value
         v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
         v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
-    entropy_loss = kept_mean(entropy, mask)
+    entropy_loss = entropy.mean()
     loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss
     with torch.no_grad():  # http://joschu.net/blog/kl-approx.html
-        old_approx_kl = kept_mean(-logratio, mask)
-        approx_kl = kept_mean((ratio - 1) - logratio, mask)
-        clipfrac = kept_mean(((ratio - 1.0).abs() > clip_coef).float(), mask)
-        value_clipfrac = ((newvalue - values).abs() > clip_coef).float().mean()
-    metrics = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac,
-                           value_clipfrac]).detach()
-    return loss, metrics
+        metrics = {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": entropy_loss,
+                   "old_approx_kl": (-logratio).mean(),
+                   "approx_kl": ((ratio - 1) - logratio).mean(),
+                   "clipfrac": ((ratio - 1.0).abs() > clip_coef).float().mean(),
+                   "value_clipfrac": ((newvalue - values).abs() > clip_coef).float().mean()}
+    return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def minibatch_loss(agent, obs, actions, logprob, advantages, returns, values, clip_coef, args,
-                   mask=None):
-    """Forward pass on a minibatch, then ppo_loss. obs (B, 4, 84, 84) uint8, actions (B,) int64."""
-    logits, newvalue = agent(obs)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    newlogprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values,
-                    clip_coef, args.norm_adv, args.clip_vloss, args.ent_coef, args.vf_coef, mask)
+def minibatch_loss(agent, mb: dict, clip_coef, args: Args):
+    """Forward pass on one minibatch (a dict of (B, ...) tensors: obs, actions, logprobs,
+    advantages, returns, values), then ppo_loss. A new loss term and its metric go here."""
+    _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"], mb["actions"])
+    return ppo_loss(newlogprob, entropy, newvalue, mb["logprobs"], mb["advantages"],
+                    mb["returns"], mb["values"], clip_coef, args.norm_adv, args.clip_vloss,
+                    args.ent_coef, args.vf_coef)
 
 
 def save_checkpoint(path: str, state: dict):
-    """Atomic: write a temporary file, flush it to disk, then rename over the old checkpoint, so
-    a crash at any point leaves either the old or the new file, both complete."""
+    """Atomic: write a temporary file, flush it to disk, then rename over the old file, so a
+    crash at any point leaves either the old or the new file, both complete."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -597,85 +565,39 @@ def load_checkpoint(path: str) -> dict:
     return state
 
 
+def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
+    """Loads weights, or fails with one line naming the first tensor whose shape differs (another
+    game's action set, network or frame size), whatever the network's attribute names."""
+    own, saved = agent.state_dict(), state["model"]
+    for name in [*own, *(k for k in saved if k not in own)]:
+        mine, theirs = [None if t is None else tuple(t.shape) for t in (own.get(name),
+                                                                         saved.get(name))]
+        if mine != theirs:
+            fail(f"{path} does not fit this network: {name} is {theirs or 'missing'} in the "
+                 f"checkpoint ({state['args'].get('env_id')}) and {mine or 'missing'} here "
+                 f"({env_id}): another game's action set, network or frame size")
+    agent.load_state_dict(saved)
+
+
 def shown_path(path: str) -> str:
     """A path as printed: relative to the working directory when inside it, else absolute."""
     rel = os.path.relpath(path)
     return os.path.abspath(path) if rel.startswith("..") else rel
 
 
-def run_folder_started(name: str) -> bool:
-    """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
-    before anything else); a folder with other files in it belongs to something else."""
-    if not name or name.startswith(".") or "/" in name or os.sep in name:
-        fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
-    folder = os.path.join("runs", name)
-    if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
-        return True
-    if os.path.isdir(folder) and os.listdir(folder):
-        fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script to "
-             f"continue; pick another --run-name or remove the folder")
-    return False
-
-
-def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int, num_iterations: int,
-                rank: int) -> bool:
-    """Checks a checkpoint against this launch, says (rank 0) what resuming does, and returns
-    True when the run has already reached --total-timesteps (then nothing is written)."""
-    done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
-    if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
-        written_by = step // (done * local_batch)
-        fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
-             f"{world_size}; continue it with {written_by} processes (torchrun --nproc_per_node)")
-    where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
-    past_stop = done < num_iterations and bool(args.stop_at_step and step >= args.stop_at_step)
-    if rank == 0 and past_stop:
-        print(f"{where} has run {step:,} steps, already past --stop-at-step "
-              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
-              f"continue to {args.total_timesteps:,}", flush=True)
-    elif rank == 0 and done >= num_iterations:
-        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
-              f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
-              f"--total-timesteps", flush=True)
-    elif rank == 0:
-        old_iterations = saved.total_timesteps // (local_batch * world_size)
-        lr_old = (1.0 - done / old_iterations) * args.learning_rate
-        lr_new = (1.0 - done / num_iterations) * args.learning_rate
-        line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-                f"({num_iterations - done} iterations left)")
-        if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
-            line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
-                     f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over "
-                     f"the new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
-        elif args.anneal_lr:
-            line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
-        print(line, flush=True)
-    return done >= num_iterations or past_stop
-
-
 def rng_state() -> dict:
-    np_state = np.random.get_state(legacy=False)
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy_key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "numpy_pos": np_state["state"]["pos"],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    """The generators the trainer draws from (action samples, minibatch order): torch's CPU RNG
+    and the CUDA RNG of the training device only (another allocation may have fewer GPUs)."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict):
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     torch.set_rng_state(state["torch"])
-    np.random.set_state({"bit_generator": "MT19937", "has_gauss": 0, "gauss": 0.0, "state": {
-        "key": state["numpy_key"].numpy().astype(np.uint32), "pos": state["numpy_pos"]}})
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_agent(agent: Agent, state: dict, path: str):
-    """Loads weights, with a clear error when the checkpoint's game has another action set."""
-    n_saved, n_env = state["model"]["actor.weight"].shape[0], agent.actor.out_features
-    if n_saved != n_env:
-        fail(f"{path} was trained on {state['args']['env_id']} with {n_saved} actions; this game "
-             f"has {n_env}")
-    agent.load_state_dict(state["model"])
+    cuda = state.get("cuda")
+    cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda  # older: one per GPU
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)  # the current device, the one this process trains on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,17 +615,20 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     eval_args = dataclasses.replace(args, env_id=saved["env_id"], num_envs=1, env_backend="sync")
     video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
     envs = make_envs(eval_args, args.seed, video, every_game=True)
-    agent = Agent(envs.single_action_space.n).to(device, memory_format=torch.channels_last)
-    load_agent(agent, state, path)
+    agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
+    agent = agent.to(device, memory_format=torch.channels_last)
+    load_agent(agent, state, path, saved["env_id"])
     # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
     step = state.get("global_step", 0)
-    writer = SummaryWriter(os.path.join(run_dir, "eval", f"step{step}-seed{args.seed}-"
-                                                         f"{int(time.time())}"))
+    events = os.path.join(run_dir, "eval", f"step{step}-seed{args.seed}-{int(time.time())}")
+    print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
+                                                         if video else ""), flush=True)
+    writer = SummaryWriter(events)
     obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
     scores = []
     while len(scores) < args.eval_episodes:
         with torch.inference_mode():  # actions sampled from the policy, as in training
-            action, _, _ = policy_step(agent, torch.as_tensor(obs, device=device))
+            action = agent.get_action_and_value(torch.as_tensor(obs, device=device))[0]
         obs, _, _, _, infos = envs.step(action.cpu().numpy())
         for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
             scores.append(score)
@@ -712,12 +637,160 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
     envs.close()
     writer.close()
-    games = "game" if len(scores) == 1 else "games"
     print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
-          f"{games} (agent at step {step:,})")
+          f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
 
 
 # ---------------------------------------------------------------------------------------------
+# The phases of an iteration: rollout, make_batch (advantages), update, summarize, log_iteration
+
+
+def make_storage(obs_shape: tuple, num_steps: int, num_envs: int, device) -> dict:
+    """Rollout storage, (T, N, ...) = (num_steps, num_envs, ...), allocated once. The network's
+    inputs and outputs live on the training device; rewards and dones stay on the host, where the
+    envs return them, and GAE runs there: on a GPU its ~900 tiny kernels cost more than a copy."""
+    T, N = num_steps, num_envs
+    return {"obs": torch.zeros((T, N, *obs_shape), dtype=torch.uint8, device=device),
+            "actions": torch.zeros((T, N), dtype=torch.long, device=device),
+            "logprobs": torch.zeros((T, N), device=device),  # float32
+            "values": torch.zeros((T, N), device=device),  # float32
+            "rewards": torch.zeros((T, N)),  # host, clipped, float32
+            "dones": torch.zeros((T, N))}  # host, 1.0: the episode ended with step t's action
+
+
+def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_step: int,
+            steps_per_step: int):
+    """num_steps vector steps with the current policy, into storage. Returns the observation
+    after the last step, the finished games [(global_step, score, length)] and global_step."""
+    games = []
+    for step in range(storage["obs"].shape[0]):
+        global_step += steps_per_step  # envs x processes
+        storage["obs"][step] = next_obs
+        with torch.inference_mode(), autocast:
+            action, logprob, _, value = policy(next_obs)
+        storage["actions"][step], storage["logprobs"][step] = action, logprob
+        storage["values"][step] = value
+        # sync point, the only one per step: the envs need the actions on the host
+        next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
+        storage["rewards"][step] = torch.from_numpy(reward)
+        storage["dones"][step] = torch.from_numpy(terminated | truncated)
+        # staging is pinned on CUDA (a DMA copy); refilling it next step is safe: that step's
+        # action.cpu() waits for this copy and the forward pass that reads it
+        next_obs = staging.copy_(torch.from_numpy(next_obs_np))
+        next_obs = next_obs.to(storage["obs"].device, non_blocking=True)
+        games += [(global_step, r, n) for r, n in finished_games(infos)]
+    return next_obs, games, global_step
+
+
+def make_batch(agent, storage: dict, next_obs, autocast, args: Args) -> dict:
+    """Advantages by GAE (on the host, one copy each way), then the rollout flattened to
+    (T * N, ...): obs, actions, logprobs, values, advantages, returns."""
+    with torch.inference_mode(), autocast:
+        _, next_value = agent(next_obs)
+    advantages, returns = compute_gae(storage["rewards"], storage["values"].cpu(), storage["dones"],
+                                      next_value.cpu(), args.gamma, args.gae_lambda)
+    batch = {k: storage[k].flatten(0, 1) for k in ("obs", "actions", "logprobs", "values")}
+    device = storage["obs"].device
+    return batch | {"advantages": advantages.flatten().to(device),
+                    "returns": returns.flatten().to(device)}
+
+
+def all_reduce_gradients(agent: nn.Module, world_size: int):
+    """Averages the gradients over ranks in one flat all-reduce; parameters without a gradient
+    (frozen, or unused by the loss) are skipped: the same ones on every rank."""
+    grads = [p.grad for p in agent.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads]) / world_size
+    dist.all_reduce(flat)
+    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
+           world_size: int):
+    """update_epochs passes over the batch in shuffled minibatches. Returns each metric summed
+    over the minibatches (0-d device tensors: no host sync) and the number of minibatches."""
+    local_batch = batch["obs"].shape[0]
+    minibatch_size = local_batch // args.num_minibatches
+    totals, n_minibatches = {}, 0
+    for epoch in range(args.update_epochs):
+        perm = torch.randperm(local_batch, device=batch["obs"].device)
+        for start in range(0, local_batch, minibatch_size):
+            mb = {k: v[perm[start:start + minibatch_size]] for k, v in batch.items()}
+            with autocast:
+                loss, metrics = loss_fn(agent, mb, clip_coef, args)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if world_size > 1:
+                all_reduce_gradients(agent, world_size)
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            totals = {name: totals.get(name, 0) + value for name, value in metrics.items()}
+            n_minibatches += 1
+        if args.target_kl is not None:  # sync point, once per epoch and only with target_kl
+            kl = metrics["approx_kl"].clone()
+            if world_size > 1:  # decided on the mean over ranks so that all stop together
+                dist.all_reduce(kl)
+                kl /= world_size
+            if kl.item() > args.target_kl:
+                break
+    return totals, n_minibatches
+
+
+def summarize(agent, totals: dict, n_minibatches: int, batch: dict, stop: list, games: list,
+              world_size: int):
+    """The iteration's scalars, averaged over ranks, in one host sync: losses/<name> (the mean
+    over minibatches) for each metric of the loss, the batch's explained variance, and the flags
+    `finite` (1.0: every parameter is finite) and `stop` (> 0: a rank was signalled). Returns
+    them and the finished games of every rank."""
+    stats = {f"losses/{name}": total / n_minibatches for name, total in totals.items()}
+    y_pred, y_true = batch["values"], batch["returns"]
+    stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
+    stats["finite"] = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+    stats["stop"] = torch.tensor(float(len(stop)), device=y_true.device)
+    flat = torch.stack([v.float() for v in stats.values()])
+    if world_size > 1:
+        dist.all_reduce(flat)
+        flat /= world_size
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, games)
+        games = sorted(g for part in gathered for g in part)
+    return dict(zip(stats, flat.tolist())), games
+
+
+def log_iteration(writer, stats: dict, games: list, recent, global_step: int, total: int,
+                  show: bool):
+    """Every finished game, the mean of the last 100, and each charts/ and losses/ entry; with
+    show, a progress line (in place on a terminal)."""
+    for step_done, score, length in games:
+        writer.add_scalar("charts/episodic_return", score, step_done)
+        writer.add_scalar("charts/episodic_length", length, step_done)
+    if recent:  # mean of the last 100 finished games, the figure papers report
+        writer.add_scalar("charts/avg_episodic_return", np.mean(recent), global_step)
+    for tag, value in stats.items():
+        if tag.startswith(("charts/", "losses/")):
+            writer.add_scalar(tag, value, global_step)
+    if show:
+        sps, tty = stats["charts/SPS"], sys.stdout.isatty()
+        eta = (total - global_step) / max(sps, 1)
+        avg = f"{np.mean(recent):.1f}" if recent else "n/a"
+        line = (f"step {global_step:,}/{total:,} | SPS {sps} | avg return {avg} | "
+                f"ETA {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m")
+        print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: threads, the process group, the run to start or continue, signals, checkpoints
+
+
+def choose_device(args: Args, local_rank: int, local_processes: int):
+    """The one place the device and torch's CPU threads are chosen: (device, why CPU)."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return device, "" if use_cuda else " (--no-cuda)" if not args.cuda else \
+        " (CUDA is not available)"
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
@@ -734,140 +807,104 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
                             rank=rank, world_size=world_size, timeout=timeout)
 
 
-def main(args: Args, explicit: set[str] = frozenset()):
-    # distributed: inert without torchrun, which sets the environment variables read here
-    distributed = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, world_size, local_rank = 0, 1, 0
-    if distributed:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ["LOCAL_RANK"])
+def run_folder_started(name: str) -> bool:
+    """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
+    before anything else); a folder with other files in it belongs to something else."""
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
+    folder = os.path.join("runs", name)
+    if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+        return True
+    if os.path.isdir(folder) and os.listdir(folder):
+        fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script to "
+             f"continue; pick another --run-name or remove the folder")
+    return False
 
-    # arguments: a resumed run takes its checkpoint's, with the safe overrides given now
-    ckpt = None
-    if (args.resume is None and args.eval_checkpoint is None and args.run_name is not None
-            and run_folder_started(args.run_name)):
+
+def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
+    """Checks a checkpoint against this launch, says what resuming does, and returns True when
+    there is nothing to train: the run has reached --total-timesteps or --stop-at-step."""
+    done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
+    if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
+        written_by = step // (done * local_batch)
+        fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
+             f"{world_size}; continue it with {written_by} processes (torchrun --nproc_per_node)")
+    where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
+    num_iterations = args.total_timesteps // (local_batch * world_size)
+    if done >= num_iterations:
+        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
+              f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
+              f"--total-timesteps", flush=True)
+        return True
+    if args.stop_at_step and step >= args.stop_at_step:
+        print(f"{where} has run {step:,} steps, already past --stop-at-step "
+              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
+              f"continue to {args.total_timesteps:,}", flush=True)
+        return True
+    lr_old = (1.0 - done / (saved.total_timesteps // (local_batch * world_size))) * \
+        args.learning_rate
+    lr_new = (1.0 - done / num_iterations) * args.learning_rate
+    line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
+            f"({num_iterations - done} iterations left)")
+    if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
+        line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
+                 f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over "
+                 f"the new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
+    elif args.anneal_lr:
+        line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
+    print(line, flush=True)
+    return False
+
+
+def resolve_run(args: Args, explicit: set[str], world_size: int):
+    """A new run: (args, None). A run to continue (--resume, or --run-name with a checkpoint):
+    the checkpoint's arguments with the overrides given now, and the checkpoint. Nothing to
+    train: (None, None)."""
+    if args.resume is None and args.run_name is not None and run_folder_started(args.run_name):
         args = dataclasses.replace(args, resume=os.path.join("runs", args.run_name))
-    if args.resume is not None:
-        ckpt = load_checkpoint(args.resume)
-        known = {f.name for f in dataclasses.fields(Args)}
-        saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
-        for name in sorted(explicit - RESUME_OVERRIDABLE):
-            if getattr(args, name) != getattr(saved, name):
-                fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
-                     f"{getattr(saved, name)!r}); drop it or start a new run")
-        overrides = (explicit & RESUME_OVERRIDABLE) | {"resume", "stop_at_step"}  # never saved
-        args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
+    if args.resume is None:
+        check_args(args, world_size)
+        return args, None
+    ckpt = load_checkpoint(args.resume)
+    if "optimizer" not in ckpt:
+        fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
+    if ckpt["args"].get("env_backend") == "ale":
+        fail(f"{args.resume} was trained with --env-backend ale, which this file does not have "
+             f"(it steps the in-file wrappers only); start a new run")
+    known = {f.name for f in dataclasses.fields(Args)}
+    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
+    for name in sorted(explicit - RESUME_OVERRIDABLE):
+        if getattr(args, name) != getattr(saved, name):
+            fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
+                 f"{getattr(saved, name)!r}); drop it or start a new run")
+    overrides = (explicit & RESUME_OVERRIDABLE) | LAUNCH_ONLY
+    args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
     check_args(args, world_size)
-    if args.track:
-        try:
-            import wandb
-        except ImportError:
-            fail("--track needs wandb, which is not installed: pip install wandb")
-    local_batch = args.num_envs * args.num_steps
-    batch_size = local_batch * world_size  # steps per iteration, all processes
-    minibatch_size = local_batch // args.num_minibatches  # per process
-    num_iterations = args.total_timesteps // batch_size
-    if ckpt is not None and args.eval_checkpoint is None:
-        if resume_plan(args, saved, ckpt, world_size, num_iterations, rank):
-            return None  # already complete
+    return (None, None) if resume_plan(args, saved, ckpt, world_size) else (args, ckpt)
 
-    # device: the one place it is chosen
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    why = "" if use_cuda else " (--no-cuda)" if not args.cuda else " (CUDA is not available)"
-    device_line = f"device: {device}{why}"  # printed after the run folder, on rank 0
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
 
-    # seeding: one block; each rank gets its own env seeds and action samples
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-
-    if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
+def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
+    """resolve_run on rank 0 alone, its answer (or exit code) sent to every rank: rank 0's runs/
+    folder may be the only one that holds the checkpoint (node-local disks)."""
+    if world_size == 1:
+        return resolve_run(args, explicit, world_size)
+    box = [None]
+    try:
         if rank == 0:
-            print(device_line, flush=True)
-        return evaluate(args, device, explicit) if rank == 0 else None
-    if distributed:
-        join_process_group("nccl" if use_cuda else "gloo", rank, world_size, args.dist_timeout)
-        if use_cuda:
-            torch.cuda.set_device(device)
-        else:  # share the cores between the local processes instead of oversubscribing them
-            torch.set_num_threads(max(1, os.cpu_count() // local_processes))
+            box = [resolve_run(args, explicit, world_size)]
+    except SystemExit as e:  # the other ranks exit with the same code; rank 0 said why
+        box = [e.code]
+        raise
+    finally:
+        dist.broadcast_object_list(box, src=0)
+    if not isinstance(box[0], tuple):
+        raise SystemExit(box[0])
+    return box[0]
 
-    if ckpt is not None:
-        run_dir = os.path.dirname(os.path.abspath(checkpoint_file(args.resume)))
-    else:
-        run_dir = os.path.join("runs", args.run_name or f"{args.env_id.replace('/', '-')}__"
-                               f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
-    # envs, agent, optimizer
-    video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
-    start_iteration, global_step, recent = 1, 0, collections.deque(maxlen=100)
-    if ckpt is not None:
-        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
-        recent.extend(ckpt["recent_returns"])
-    env_seed = args.seed + rank * args.num_envs + 7919 * (start_iteration - 1)  # fresh games
-    envs = make_envs(dataclasses.replace(args, env_backend=backend), env_seed, video)
-    agent = Agent(envs.single_action_space.n).to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    if ckpt is not None:
-        load_agent(agent, ckpt, args.resume)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_state(ckpt["rng"])
-        if rank > 0:
-            torch.manual_seed(args.seed + rank + 7919 * start_iteration)
-    if distributed:  # identical initial weights everywhere
-        for p in agent.parameters():
-            dist.broadcast(p.data, src=0)
-    # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
-    act, loss_fn = policy_step, minibatch_loss
-    if args.compile:
-        act, loss_fn = torch.compile(policy_step), torch.compile(minibatch_loss)
-
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
-
-    def checkpoint(iteration):
-        if rank == 0:
-            if writer is not None:
-                writer.flush()  # the logs reach at least as far as the checkpoint
-            save_checkpoint(checkpoint_path, {
-                "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                "args": dataclasses.asdict(args), "global_step": global_step,
-                "iteration": iteration, "rng": rng_state(), "recent_returns": list(recent)})
-
-    writer = None
-    shown = shown_path(run_dir)
-    if rank == 0:
-        print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
-        print(device_line, flush=True)
-        os.makedirs(run_dir, exist_ok=True)
-        if ckpt is None:  # iteration 0, before any event: a run folder always has a checkpoint
-            checkpoint(0)
-        if args.track:
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
-                       name=os.path.basename(run_dir), sync_tensorboard=True, save_code=True)
-        # purge_step hides events a crashed run logged after its last checkpoint
-        writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
-        if ckpt is None:
-            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-                f"|{k}|{v}|" for k, v in vars(args).items()))
-
-    # storage on the training device, (T, N, ...) = (num_steps, num_envs, ...)
-    obs = torch.zeros((args.num_steps, args.num_envs, 4, 84, 84), dtype=torch.uint8, device=device)
-    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
-    logprobs = torch.zeros((args.num_steps, args.num_envs), device=device)  # float32
-    rewards = torch.zeros((args.num_steps, args.num_envs), device=device)  # clipped, float32
-    dones = torch.zeros((args.num_steps, args.num_envs), device=device)  # 1.0: ended at step t
-    values = torch.zeros((args.num_steps, args.num_envs), device=device)  # float32
-    # 1.0: the env played the agent's action (0.0 only for the ale backend's FIRE after a life)
-    acted = torch.ones((args.num_steps, args.num_envs), device=device)
-    # host staging for observations: pinned so the copy to the GPU can overlap (CUDA only)
-    staging = torch.zeros((args.num_envs, 4, 84, 84), dtype=torch.uint8, pin_memory=use_cuda)
-
-    # signals: the first Ctrl-C/SIGTERM stops at the end of the iteration; a second Ctrl-C now
+def catch_stop_signals() -> tuple[list, list]:
+    """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
+    the returned list); a second Ctrl-C exits at once. Returns (that list, the old handlers)."""
     stop = []
 
     def on_signal(signum, frame):
@@ -876,15 +913,142 @@ def main(args: Args, explicit: set[str] = frozenset()):
             os._exit(130)
         stop.append(signum)
 
-    old_handlers = [signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)]
+    return stop, [signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)]
 
-    next_obs_np, _ = envs.reset(seed=env_seed)
-    next_obs = staging.copy_(torch.from_numpy(next_obs_np)).to(device, non_blocking=True)
-    start_time, start_step, last_print = time.time(), global_step, 0.0
-    is_tty = sys.stdout.isatty()
 
-    iteration, stopped = start_iteration - 1, False
-    for iteration in range(start_iteration, num_iterations + 1):
+def build(args: Args, ckpt: dict | None, rank: int, device, backend: str, run_dir: str):
+    """Envs, agent and optimizer, restored from the checkpoint when there is one."""
+    start_iteration = ckpt["iteration"] + 1 if ckpt else 1
+    video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
+    env_seed = args.seed + rank * args.num_envs + 7919 * (start_iteration - 1)  # fresh games
+    envs = make_envs(dataclasses.replace(args, env_backend=backend), env_seed, video)
+    agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
+    agent = agent.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    if ckpt is not None:
+        load_agent(agent, ckpt, args.resume, args.env_id)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+        if rank > 0:
+            torch.manual_seed(args.seed + rank + 7919 * start_iteration)
+    if dist.is_initialized():  # identical weights and buffers everywhere
+        for t in agent.state_dict().values():
+            dist.broadcast(t, src=0)
+    return envs, env_seed, agent, optimizer
+
+
+def open_run(args: Args, run_dir: str, ckpt: dict | None, device_line: str, save):
+    """Rank 0: says where the run goes, writes a new run's iteration-0 checkpoint (so a run
+    folder always has one), and opens the TensorBoard writer (and the wandb run)."""
+    shown = shown_path(run_dir)
+    print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
+    print(device_line, flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    if ckpt is None:
+        save()
+    if args.track:  # a continued run continues the same wandb run: its id is the folder's name
+        import wandb
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
+                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow",
+                   sync_tensorboard=True, save_code=True)
+    # purge_step hides events a crashed run logged after its last checkpoint
+    writer = SummaryWriter(run_dir, purge_step=ckpt["global_step"] + 1 if ckpt else None)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in vars(args).items()))
+    return writer
+
+
+def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent):
+    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
+        "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+        "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
+        "rng": rng_state(), "recent_returns": list(recent)})
+
+
+def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool,
+               stopped_by: str | None):
+    """agent.pt: the latest weights and their arguments (finished: the run reached
+    --total-timesteps), then where the run is and, if it stopped early, how to go on."""
+    save_checkpoint(os.path.join(run_dir, "agent.pt"), {
+        "model": agent.state_dict(), "args": dataclasses.asdict(args),
+        "global_step": global_step, "finished": finished})
+    shown = shown_path(run_dir)
+    resume = shlex.join([sys.executable, sys.argv[0], "--resume", shown])
+    print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
+    if stopped_by == "signal":
+        print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
+    elif stopped_by and not finished:
+        print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
+              f"{args.total_timesteps:,} with: {resume}", flush=True)
+
+
+def close(envs, writer, old_handlers=()):
+    envs.close()
+    if writer is not None:
+        writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
+        signal.signal(s, handler)
+
+
+def main(args: Args, explicit: set[str] | None = None):
+    explicit = given_fields(args) if explicit is None else explicit
+    # distributed: inert without torchrun (or a launcher) setting the variables read here
+    rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
+        ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
+    if args.resume is None and args.run_name is None:  # a resume is checked once merged
+        check_args(args, world_size)
+
+    device, why = choose_device(args, local_rank, local_processes)
+    use_cuda = device.type == "cuda"
+    if world_size > 1 and args.eval_checkpoint is None:
+        join_process_group("nccl" if use_cuda else "gloo", rank, world_size, args.dist_timeout)
+    ckpt = None
+    if args.eval_checkpoint is None:
+        args, ckpt = agree_on_run(args, explicit, rank, world_size)
+        if args is None:
+            return None  # nothing to train: complete, or past --stop-at-step
+    if args.track and importlib.util.find_spec("wandb") is None:
+        fail("--track needs wandb, which is not installed: pip install wandb")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
+
+    # seeding: one block; each rank gets its own env seeds and action samples
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
+
+    if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
+        if rank == 0:
+            print(f"device: {device}{why}", flush=True)
+            evaluate(args, device, explicit)
+        return None
+    run_dir = os.path.join("runs", args.run_name or f"{args.env_id.replace('/', '-')}__"
+                           f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = os.path.dirname(os.path.abspath(checkpoint_file(args.resume))) if ckpt else run_dir
+    backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
+    envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
+    iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
+    recent = collections.deque(ckpt["recent_returns"] if ckpt else [], maxlen=100)
+    # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
+    policy, loss_fn = agent.get_action_and_value, minibatch_loss
+    if args.compile:
+        policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
+    save = lambda: save_run(run_dir, agent, optimizer, args, global_step, iteration, recent)  # noqa
+    writer = open_run(args, run_dir, ckpt, f"device: {device}{why}", save) if rank == 0 else None
+
+    storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
+                           device)
+    staging = torch.zeros(storage["obs"].shape[1:], dtype=torch.uint8, pin_memory=use_cuda)
+    next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
+    stop, old_handlers = catch_stop_signals()
+    batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
+    num_iterations, first, last_print = args.total_timesteps // batch_steps, None, 0.0
+    stopped = at_stop = False
+    for iteration in range(iteration + 1, num_iterations + 1):
         # anneal: learning rate (and optionally clip range) fall linearly to 0 over the run
         frac = 1.0 - (iteration - 1.0) / num_iterations
         lr_now = frac * args.learning_rate if args.anneal_lr else args.learning_rate
@@ -892,148 +1056,46 @@ def main(args: Args, explicit: set[str] = frozenset()):
         clip_value = frac * args.clip_coef if args.anneal_clip else args.clip_coef
         clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
 
-        # rollout
-        t0, games = time.time(), []
-        for step in range(args.num_steps):
-            global_step += args.num_envs * world_size
-            obs[step] = next_obs
-            with torch.inference_mode(), autocast:
-                action, logprob, value = act(agent, next_obs)
-            actions[step], logprobs[step], values[step] = action, logprob, value
-            # sync point: the env needs the actions on the host
-            next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
-            rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device)
-            dones[step] = torch.as_tensor(terminated | truncated, dtype=torch.float32).to(device)
-            if "overridden" in infos:
-                acted[step] = torch.as_tensor(~infos["overridden"], dtype=torch.float32).to(device)
-            next_obs = staging.copy_(torch.from_numpy(next_obs_np)).to(device, non_blocking=True)
-            games += [(global_step, r, n) for r, n in finished_games(infos)]
-        rollout_time = time.time() - t0
-
-        # advantages
         t0 = time.time()
-        with torch.inference_mode(), autocast:
-            _, next_value = agent(next_obs)
-        advantages, returns = compute_gae(rewards, values, dones, next_value.float(),
-                                          args.gamma, args.gae_lambda)
-        b_obs = obs.reshape((-1, 4, 84, 84))
-        b_actions, b_logprobs = actions.reshape(-1), logprobs.reshape(-1)
-        b_advantages, b_returns = advantages.reshape(-1), returns.reshape(-1)
-        b_values = values.reshape(-1)
-        b_acted = acted.reshape(-1) if backend == "ale" else None  # no mask: CleanRL's math
-
-        # update: metrics stay on the device until the single read after the loop
-        metrics, n_minibatches = torch.zeros(7, device=device), 0
-        for epoch in range(args.update_epochs):
-            perm = torch.randperm(local_batch, device=device)
-            for start in range(0, local_batch, minibatch_size):
-                mb = perm[start:start + minibatch_size]
-                with autocast:
-                    loss, mb_metrics = loss_fn(agent, b_obs[mb], b_actions[mb], b_logprobs[mb],
-                                               b_advantages[mb], b_returns[mb], b_values[mb],
-                                               clip_now, args,
-                                               None if b_acted is None else b_acted[mb])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if distributed:  # average gradients over ranks, as one flat all-reduce
-                    grads = [p.grad for p in agent.parameters()]
-                    flat = torch.cat([g.reshape(-1) for g in grads]) / world_size
-                    dist.all_reduce(flat)
-                    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-                        g.copy_(new.view_as(g))
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                optimizer.step()
-                metrics += mb_metrics
-                n_minibatches += 1
-            if args.target_kl is not None:  # sync point, once per epoch and only with target_kl
-                kl = mb_metrics[4].clone()
-                if distributed:  # decided on the mean over ranks so that all stop together
-                    dist.all_reduce(kl)
-                    kl /= world_size
-                if kl.item() > args.target_kl:
-                    break
-
-        # logging: one host sync for all of the iteration's metrics
-        y_pred, y_true = b_values, b_returns
-        explained_var = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
-        finite = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
-        summary = torch.cat([metrics / n_minibatches, explained_var[None], finite[None].float(),
-                             torch.tensor([float(len(stop))], device=device)])
-        if distributed:
-            dist.all_reduce(summary)
-            summary /= world_size
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, games)
-            games = sorted(g for part in gathered for g in part)
-        summary = summary.tolist()
-        update_time = time.time() - t0  # advantages + update; measured after the sync
-        stopped = summary[9] > 0
-        at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
-        if summary[8] < 1.0 or not np.isfinite(summary[:7]).all():
-            kept = (f"the last good checkpoint is {checkpoint_path}" if os.path.exists(
-                checkpoint_path) else "no checkpoint had been written")
-            envs.close()
+        next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
+                                               global_step, args.num_envs * world_size)
+        t1 = time.time()
+        batch = make_batch(agent, storage, next_obs, autocast, args)
+        totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
+                                       world_size)
+        stats, games = summarize(agent, totals, n_minibatches, batch, stop, games, world_size)
+        if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
+            close(envs, writer)
             fail(f"non-finite loss or parameters at iteration {iteration} (global step "
-                 f"{global_step}); stopped; {kept}", code=1)
+                 f"{global_step}); stopped; the last good checkpoint is in {run_dir}", code=1)
         recent.extend(r for _, r, _ in games)
-        sps = int((global_step - start_step) / (time.time() - start_time))
+        stopped = stats["stop"] > 0
+        at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
+        now = time.time()
+        # SPS from the end of this process's first iteration (which reports its own), so that
+        # the warm-up after a start or a resume does not read as a slowdown
+        first = first or (global_step, now, int(batch_steps / (now - t0)))
         if writer is not None:
-            for step_done, score, length in games:
-                writer.add_scalar("charts/episodic_return", score, step_done)
-                writer.add_scalar("charts/episodic_length", length, step_done)
-            if recent:  # mean of the last 100 finished games, the figure papers report
-                writer.add_scalar("charts/avg_episodic_return", np.mean(recent), global_step)
-            writer.add_scalar("charts/learning_rate", lr_now, global_step)
-            writer.add_scalar("charts/clip_coef", clip_value, global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            writer.add_scalar("charts/rollout_time", rollout_time, global_step)  # seconds/iter
-            writer.add_scalar("charts/update_time", update_time, global_step)  # seconds/iter
-            # each loss scalar: the mean over all minibatches of this iteration's update
-            for i, tag in enumerate(["policy_loss", "value_loss", "entropy", "old_approx_kl",
-                                     "approx_kl", "clipfrac", "value_clipfrac"]):
-                writer.add_scalar(f"losses/{tag}", summary[i], global_step)
-            writer.add_scalar("losses/explained_variance", summary[7], global_step)  # batch
-
-            # console: in place on a terminal, a plain line every 30 s otherwise
-            now = time.time()
-            if is_tty or now - last_print > 30 or iteration == num_iterations:
-                eta = (args.total_timesteps - global_step) / max(sps, 1)
-                avg = f"{np.mean(recent):.1f}" if recent else "n/a"
-                line = (f"step {global_step:,}/{args.total_timesteps:,} | SPS {sps} | avg return "
-                        f"{avg} | ETA {int(eta // 3600)}h{int(eta % 3600 // 60):02d}m")
-                print(f"\r{line}   " if is_tty else line, end="" if is_tty else "\n", flush=True)
-                last_print = now
-
-        if iteration % args.checkpoint_interval == 0 or stopped or at_stop:
-            checkpoint(iteration)
+            stats |= {"charts/learning_rate": lr_now, "charts/clip_coef": clip_value,
+                      "charts/SPS": int((global_step - first[0]) / (now - first[1])) if
+                      now > first[1] else first[2], "charts/rollout_time": t1 - t0,
+                      "charts/update_time": now - t1}  # seconds per iteration (after the sync)
+            show = sys.stdout.isatty() or now - last_print > 30 or iteration == num_iterations
+            log_iteration(writer, stats, games, recent, global_step, args.total_timesteps, show)
+            last_print = now if show else last_print
+            if iteration % args.checkpoint_interval == 0 or iteration == num_iterations or \
+                    stopped or at_stop:
+                writer.flush()  # the logs reach at least as far as the checkpoint
+                save()
         if stopped or at_stop:
             break
 
-    # close: final checkpoint and the trained agent with its arguments
-    at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
-    if (iteration >= start_iteration and iteration % args.checkpoint_interval and not stopped
-            and not at_stop):
-        checkpoint(iteration)
-    if rank == 0:  # the latest weights; finished: the run reached --total-timesteps
-        torch.save({"model": agent.state_dict(), "args": dataclasses.asdict(args),
-                    "global_step": global_step, "finished": iteration == num_iterations},
-                   os.path.join(run_dir, "agent.pt"))
-        print(f"\nrun folder: {shown}" if is_tty else f"run folder: {shown}")
-        if at_stop and iteration < num_iterations:
-            print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
-                  f"{args.total_timesteps:,} with: " + shlex.join(
-                      [sys.executable, sys.argv[0], "--resume", shown]), flush=True)
-    envs.close()
-    if writer is not None:
-        writer.close()
-    if distributed:
-        dist.destroy_process_group()
-    for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
-        signal.signal(s, handler)
+    # close: the trained agent with its arguments; finished: it reached --total-timesteps
+    close(envs, writer, old_handlers)
+    if rank == 0:
+        save_agent(run_dir, agent, args, global_step, iteration == num_iterations,
+                   "signal" if stopped else "--stop-at-step" if at_stop else None)
     if stopped:
-        if rank == 0:
-            print("stopped by signal; checkpoint written; resume with: " + shlex.join(
-                [sys.executable, sys.argv[0], "--resume", shown]), flush=True)
         raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
     return agent
 

@@ -1,4 +1,6 @@
 """Speed benchmark (not collected by pytest): python tests/benchmark.py [--rounds 2]
+    python tests/benchmark.py --configs default --compare old_ppo_atari.py   # old vs new file
+    python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -10,37 +12,43 @@ reach; the last column shows SPS as a fraction of that turn-taking ceiling.
 
 `plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
 observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
-subprocess and read its TensorBoard timings. All rows run in one invocation: `--rounds` passes
-over the configurations in turn, so that a slow spell of a noisy machine hits every row; each
-figure is the median over rounds, and the SPS of every round is printed too.
+subprocess and read its TensorBoard timings; `--compare FILE` adds a row running FILE with default
+flags, and `--script FILE` benchmarks that copy instead of the repository's. All rows run in one
+invocation: `--rounds` passes over the configurations in turn, so that a slow spell of a noisy
+machine hits every row; each figure is the median over rounds, and every round's SPS is printed.
+With --cuda it also counts the host syncs of one rollout (torch.cuda.set_sync_debug_mode).
 """
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import ppo_atari as P  # noqa: E402
+SCRIPT = os.path.abspath(sys.argv[sys.argv.index("--script") + 1]) if "--script" in sys.argv \
+    else os.path.join(ROOT, "ppo_atari.py")
+_spec = importlib.util.spec_from_file_location("ppo_atari", SCRIPT)
+P = importlib.util.module_from_spec(_spec)
+sys.modules["ppo_atari"] = P
+_spec.loader.exec_module(P)
+OBS = P.make_env("BreakoutNoFrameskip-v4", 0)().observation_space.shape
 
 CONFIGS = {  # name: ppo_atari.py flags (plain is the hand port below)
     "plain": None,
     "default": [],  # --env-backend auto: sync on a CPU, async on CUDA with 4+ cores
     "sync": ["--env-backend", "sync"],
     "async": ["--env-backend", "async"],
-    "ale": ["--env-backend", "ale"],
-    "ale+bf16": ["--env-backend", "ale", "--precision", "bf16"],
     "sync+bf16": ["--env-backend", "sync", "--precision", "bf16"],
     "sync+compile": ["--env-backend", "sync", "--compile"],
     "sync+bf16+compile": ["--env-backend", "sync", "--precision", "bf16", "--compile"],
-    "ale+bf16+compile": ["--env-backend", "ale", "--precision", "bf16", "--compile"],
 }
 
 
@@ -54,10 +62,10 @@ def plain_worker(iterations, num_envs, device, out):
     """A straightforward port: float32 storage, NCHW, Categorical, sync envs."""
     args = P.Args(env_backend="sync", num_envs=num_envs)
     envs = P.make_envs(args, seed=1)
-    agent = PlainAgent(envs.single_action_space.n).to(device)
+    agent = PlainAgent(OBS, envs.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     T, N = args.num_steps, args.num_envs
-    obs = torch.zeros((T, N, 4, 84, 84), device=device)  # float32: 4x the bytes of uint8
+    obs = torch.zeros((T, N, *OBS), device=device)  # float32: 4x the bytes of uint8
     actions, logprobs, rewards, dones, values = (torch.zeros((T, N), device=device)
                                                  for _ in range(5))
     next_obs = torch.Tensor(envs.reset(seed=1)[0]).to(device)
@@ -93,7 +101,7 @@ def plain_worker(iterations, num_envs, device, out):
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 optimizer.step()
-                m.tolist()  # a port typically reads each minibatch's metrics with .item()
+                [v.item() for v in m.values()]  # a port reads each minibatch's metrics
         times.append((t1 - t0, time.time() - t1))
     json.dump({"times": times}, open(out, "w"))
 
@@ -106,14 +114,14 @@ def bound_worker(name, num_envs, device, out):
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
     T, N = args.num_steps, args.num_envs
     if name == "plain":
-        agent = PlainAgent(4).to(device)
-        obs = torch.randint(0, 256, (T, N, 4, 84, 84), device=device).float()
+        agent = PlainAgent(OBS, 4).to(device)
+        obs = torch.randint(0, 256, (T, N, *OBS), device=device).float()
     else:
-        agent = P.Agent(4).to(device, memory_format=torch.channels_last)
-        obs = torch.randint(0, 256, (T, N, 4, 84, 84), dtype=torch.uint8, device=device)
-    act, loss_fn = P.policy_step, P.minibatch_loss
+        agent = P.Agent(OBS, 4).to(device, memory_format=torch.channels_last)
+        obs = torch.randint(0, 256, (T, N, *OBS), dtype=torch.uint8, device=device)
+    act, loss_fn = agent.get_action_and_value, P.minibatch_loss
     if "--compile" in flags:
-        act, loss_fn = torch.compile(P.policy_step), torch.compile(P.minibatch_loss)
+        act, loss_fn = torch.compile(act), torch.compile(P.minibatch_loss)
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-4, eps=1e-5)
     clip = torch.tensor(0.1, device=device)
     times = []
@@ -121,26 +129,50 @@ def bound_worker(name, num_envs, device, out):
         t0 = time.time()
         for step in range(T):
             with torch.inference_mode(), autocast:
-                action, logprob, value = act(agent, obs[step])
+                action = act(obs[step])[0]
             action.cpu()
         t1 = time.time()
-        b_obs, b_act = obs.reshape(-1, 4, 84, 84), torch.randint(0, 4, (T * N,), device=device)
-        b_lp, b_adv, b_ret, b_val = (torch.randn(T * N, device=device) for _ in range(4))
+        batch = dict(obs=obs.reshape(-1, *OBS), actions=torch.randint(0, 4, (T * N,), device=device),
+                     **{k: torch.randn(T * N, device=device)
+                        for k in ("logprobs", "advantages", "returns", "values")})
         mb_size = T * N // args.num_minibatches
         for _ in range(args.update_epochs):
             perm = torch.randperm(T * N, device=device)
             for start in range(0, T * N, mb_size):
-                mb = perm[start:start + mb_size]
+                mb = {k: v[perm[start:start + mb_size]] for k, v in batch.items()}
                 with autocast:
-                    loss, m = loss_fn(agent, b_obs[mb], b_act[mb], b_lp[mb], b_adv[mb], b_ret[mb],
-                                      b_val[mb], clip, args)
+                    loss, m = loss_fn(agent, mb, clip, args)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 optimizer.step()
-        m.tolist()
+        torch.stack(list(m.values())).tolist()
         times.append((t1 - t0, time.time() - t1))
     json.dump({"times": times[1:]}, open(out, "w"))  # the first pass warms up (and compiles)
+
+
+def sync_worker(num_envs, device):
+    """Host syncs per rollout step on CUDA: one rollout of the file's own rollout() with
+    torch.cuda.set_sync_debug_mode("warn"), counting the warnings (the actions' copy to the
+    host is the one needed)."""
+    args = P.Args(num_envs=num_envs, env_backend="sync")
+    envs = P.make_envs(args, seed=1)
+    agent = P.Agent(OBS, envs.single_action_space.n).to(device, memory_format=torch.channels_last)
+    storage = P.make_storage(OBS, args.num_steps, num_envs, device)
+    staging = torch.zeros((num_envs, *OBS), dtype=torch.uint8, pin_memory=True)
+    next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=1)[0])).to(device)
+    off = torch.autocast("cuda", enabled=False)
+    P.rollout(agent.get_action_and_value, envs, next_obs, storage, staging, off, 0, num_envs)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        P.rollout(agent.get_action_and_value, envs, next_obs, storage, staging, off, 0, num_envs)
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    print(f"# host syncs in one rollout: {len(syncs)} in {args.num_steps} steps "
+          f"({len(syncs) / args.num_steps:.2f} per step)")
+    envs.close()
 
 
 def env_worker(name, num_envs, out):
@@ -167,16 +199,17 @@ def flops_and_peak(num_envs, device):
     from torch.utils.flop_counter import FlopCounterMode
     args = P.Args(num_envs=num_envs)
     batch, mb = num_envs * args.num_steps, num_envs * args.num_steps // args.num_minibatches
-    agent = P.Agent(4).to(device, memory_format=torch.channels_last)
-    obs = torch.randint(0, 256, (mb, 4, 84, 84), dtype=torch.uint8, device=device)
+    agent = P.Agent(OBS, 4).to(device, memory_format=torch.channels_last)
+    obs = torch.randint(0, 256, (mb, *OBS), dtype=torch.uint8, device=device)
     zeros = torch.zeros(mb, device=device)
+    minibatch = dict(obs=obs, actions=zeros.long(), logprobs=zeros, advantages=zeros + 1,
+                     returns=zeros, values=zeros)
     with FlopCounterMode(display=False) as counter:
-        loss, _ = P.minibatch_loss(agent, obs, zeros.long(), zeros, zeros + 1, zeros, zeros, 0.1,
-                                   args)
+        loss, _ = P.minibatch_loss(agent, minibatch, 0.1, args)
         loss.backward()
     update = counter.get_total_flops() * args.update_epochs * batch // mb
     with FlopCounterMode(display=False) as counter, torch.inference_mode():
-        P.policy_step(agent, obs[:num_envs])
+        agent.get_action_and_value(obs[:num_envs])
     rollout = counter.get_total_flops() * args.num_steps
     peak = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -215,6 +248,8 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--cuda", action="store_true", help="benchmark on CUDA")
     parser.add_argument("--num-envs", type=int, default=8, help="envs (8 is the default)")
+    parser.add_argument("--script", default=SCRIPT, help="the copy of ppo_atari.py to benchmark")
+    parser.add_argument("--compare", help="another copy, run with default flags as a row")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -237,7 +272,12 @@ def main():
           f"{rollout / 1e9:.0f} GFLOP; 2048x2048 matmul: fp32 {fp32 / 1e9:.0f} GFLOP/s, bf16 "
           f"{bf16 / 1e9:.0f} GFLOP/s; at those rates the compute alone would take "
           f"{(update + rollout) / fp32:.2f} s (fp32), {(update + rollout) / bf16:.2f} s (bf16)")
-    print(f"{a.rounds} rounds; each figure is the median over rounds")
+    if a.cuda:
+        sync_worker(a.num_envs, device)
+    if a.compare:
+        CONFIGS[f"default ({os.path.basename(a.compare)})"] = ["--script", a.compare]
+        a.configs += f",default ({os.path.basename(a.compare)})"
+    print(f"{a.rounds} rounds; each figure is the median over rounds; file: {SCRIPT}")
     print("| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
           "compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -261,20 +301,24 @@ def measure(name, a, batch):
     """One configuration once: its training run, its compute-only bound, its env alone."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        me = [sys.executable, os.path.abspath(__file__), "--iterations", str(a.iterations),
+        me = [sys.executable, os.path.abspath(__file__), "--script", a.script,
+              "--iterations", str(a.iterations),
               "--num-envs", str(a.num_envs), "--out", out] + (["--cuda"] if a.cuda else [])
         if name == "plain":
             rss = run_child(me + ["--worker", "plain"], tmp)
             times = json.load(open(out))["times"]
         else:
-            rss = run_child([sys.executable, os.path.join(ROOT, "ppo_atari.py"), *CONFIGS[name],
-                             "--num-envs", str(a.num_envs),
+            flags, script = CONFIGS[name], a.script
+            if flags[:1] == ["--script"]:  # --compare: another file, default flags
+                flags, script = [], os.path.abspath(flags[1])
+            rss = run_child([sys.executable, script, *flags, "--num-envs", str(a.num_envs),
                              "--total-timesteps", str(batch * a.iterations)]
                             + ([] if a.cuda else ["--no-cuda"]), tmp)
             times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
-        run_child(me + ["--worker", name], tmp)
+        bound_name = name if name in CONFIGS and CONFIGS[name][:1] != ["--script"] else "default"
+        run_child(me + ["--worker", bound_name], tmp)
         bound = json.load(open(out))["times"]
-        run_child(me + ["--worker", "env:" + name], tmp)
+        run_child(me + ["--worker", "env:" + bound_name], tmp)
         env_sps = batch / np.median(json.load(open(out))["times"])
     rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
     bound_sps = batch / np.median([sum(t) for t in bound])

@@ -1,5 +1,11 @@
-"""Shared helpers: the script's path, subprocess runs of it, and TensorBoard read-back."""
+"""Shared helpers: the script under test, subprocess runs of it, and TensorBoard read-back.
+
+The suite runs against any copy of the file: `python -m pytest tests --script PATH/ppo_atari.py`
+(default: the repository's ppo_atari.py). Tests import it as `ppo_atari` and take sizes and
+metric names from it, so a fork fails only the tests that pin a setting it changed.
+"""
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -7,19 +13,61 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "ppo_atari.py")
-sys.path.insert(0, ROOT)
+SCRIPT = os.path.join(ROOT, "ppo_atari.py")  # replaced by --script in pytest_configure
 
 # A tiny but complete configuration: 2 envs x 32 steps, 2 minibatches, 2 epochs, on the CPU.
 TINY = ["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "2",
         "--no-cuda"]
 
 
-def run_script(args, cwd, script=SCRIPT, timeout=300, env=None):
+def pytest_addoption(parser):
+    parser.addoption("--script", default=None,
+                     help="the copy of ppo_atari.py to test (default: the repository's)")
+
+
+def pytest_configure(config):
+    """Imports the file under test as the module `ppo_atari`, before any test module does."""
+    global SCRIPT
+    SCRIPT = os.path.abspath(config.getoption("--script") or os.environ.get("PPO_ATARI_SCRIPT")
+                             or SCRIPT)
+    if not os.path.isfile(SCRIPT):
+        raise pytest.UsageError(f"--script {SCRIPT}: no such file")
+    os.environ["PPO_ATARI_SCRIPT"] = SCRIPT  # for subprocesses that import it (torchrun harness)
+    sys.path.insert(0, os.path.dirname(SCRIPT))  # spawned env workers import it by name
+    spec = importlib.util.spec_from_file_location("ppo_atari", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ppo_atari"] = module
+    spec.loader.exec_module(module)
+
+
+def obs_shape():
+    """The observation shape of the file under test (its wrappers decide it)."""
+    import ppo_atari as P
+    env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
+    shape = env.observation_space.shape
+    env.close()
+    return shape
+
+
+def loss_metric_names():
+    """The names of the metrics the file's minibatch_loss returns (each logged as losses/NAME)."""
+    import torch
+    import ppo_atari as P
+    shape = obs_shape()
+    agent = P.Agent(shape, 4)
+    obs = torch.randint(0, 256, (8, *shape), dtype=torch.uint8)
+    with torch.no_grad():
+        actions, logprobs, _, values = agent.get_action_and_value(obs)
+    mb = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(8),
+              returns=torch.randn(8), values=values)
+    return sorted(P.minibatch_loss(agent, mb, 0.1, P.Args())[1])
+
+
+def run_script(args, cwd, script=None, timeout=300, env=None):
     """Runs the script in a subprocess; returns the CompletedProcess (text mode)."""
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    return subprocess.run([sys.executable, script, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    return subprocess.run([sys.executable, script or SCRIPT, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
 
 
 def run_dirs(cwd):

@@ -3,12 +3,14 @@ breaks?
 
     python tests/mutate.py                 # every detail (about 10 minutes on 2 cores)
     python tests/mutate.py --only entropy  # the details whose name contains "entropy"
+    python tests/mutate.py --script ~/my-experiment/ppo_atari.py   # against a fork
 
-For each (detail, fragment of ppo_atari.py, broken replacement) below it copies the repository's
-tests and a broken ppo_atari.py to a temporary folder, runs `pytest -x` there (the fast unit
-tests first, so a caught detail costs seconds), and prints CAUGHT (a test failed), MISSED (the
-whole suite passed) or GONE (the fragment is no longer in ppo_atari.py exactly once: update the
-table). Exit code 1 unless every detail is CAUGHT.
+For each (detail, fragment of the file, broken replacement) below it copies the repository's
+tests and a broken copy of the file (the repository's ppo_atari.py, or --script) to a temporary
+folder, runs `pytest -x --script` on it there (the fast unit tests first, so a caught detail
+costs seconds), and prints CAUGHT (a test failed), MISSED (the whole suite passed) or GONE (the
+fragment is not in the file exactly once: the fork rewrote it, or the table needs updating).
+Exit code 1 unless every detail is CAUGHT.
 """
 import argparse
 import os
@@ -20,11 +22,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fast, focused files first: pytest -x stops at the first failure
-ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_backends.py",
-         "test_train.py", "test_checkpoint.py", "test_cli.py", "test_preemption.py",
-         "test_distributed.py"]
+ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_devices.py",
+         "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
+         "test_preemption.py", "test_distributed.py"]
 
-MUTATIONS = [  # (detail, fragment, broken replacement)
+MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run first])
     # the loss
     ("entropy bonus sign", "loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss",
      "loss = pg_loss + ent_coef * entropy_loss + vf_coef * v_loss"),
@@ -32,8 +34,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement)
      "loss = pg_loss - ent_coef * entropy_loss + v_loss"),
     ("surrogate clip range", "torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)",
      "torch.clamp(ratio, 1 - 2 * clip_coef, 1 + 2 * clip_coef)"),
-    ("pessimistic max of the surrogates", "pg_loss = kept_mean(torch.max(",
-     "pg_loss = kept_mean(torch.min("),
+    ("pessimistic max of the surrogates", "pg_loss = torch.max(-advantages * ratio,",
+     "pg_loss = torch.min(-advantages * ratio,"),
     ("gradient through the ratio", "    ratio = logratio.exp()\n",
      "    ratio = logratio.exp().detach()\n"),
     ("value clipping", "v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)",
@@ -47,8 +49,6 @@ MUTATIONS = [  # (detail, fragment, broken replacement)
      "advantages = advantages / (advantages.std() + 1e-8)"),
     ("entropy of the categorical", "entropy = -(logp_all.exp() * logp_all).sum(-1)",
      "entropy = -(logp_all.exp() * logp_all).mean(-1)"),
-    ("ale FIRE steps masked", 'b_acted = acted.reshape(-1) if backend == "ale" else None',
-     "b_acted = None"),
     # advantages
     ("GAE lambda", "lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam",
      "lastgaelam = delta + gamma * nextnonterminal * lastgaelam"),
@@ -83,15 +83,14 @@ MUTATIONS = [  # (detail, fragment, broken replacement)
     ("clip annealing (--anneal-clip)",
      "clip_value = frac * args.clip_coef if args.anneal_clip else args.clip_coef",
      "clip_value = args.clip_coef"),
-    ("shuffled minibatches", "perm = torch.randperm(local_batch, device=device)",
-     "perm = torch.arange(local_batch, device=device)"),
+    ("shuffled minibatches", 'perm = torch.randperm(local_batch, device=batch["obs"].device)',
+     'perm = torch.arange(local_batch, device=batch["obs"].device)'),
     ("update epochs", "for epoch in range(args.update_epochs):", "for epoch in range(1):"),
     ("rollout log-probabilities stored",
-     "actions[step], logprobs[step], values[step] = action, logprob, value",
-     "actions[step], logprobs[step], values[step] = action, logprob * 0.9, value"),
-    ("truncation counts as done",
-     "dones[step] = torch.as_tensor(terminated | truncated, dtype=torch.float32)",
-     "dones[step] = torch.as_tensor(terminated, dtype=torch.float32)"),
+     'storage["actions"][step], storage["logprobs"][step] = action, logprob\n',
+     'storage["actions"][step], storage["logprobs"][step] = action, logprob * 0.9\n'),
+    ("truncation counts as done", 'storage["dones"][step] = torch.from_numpy(terminated | truncated)',
+     'storage["dones"][step] = torch.from_numpy(terminated)'),
     # the Atari wrappers
     ("no-op reset 1..30", "integers(1, self.noop_max + 1)", "integers(0, 1)"),
     ("max of the last two frames", "np.maximum(frames[0], frames[-1])", "frames[-1]"),
@@ -105,6 +104,48 @@ MUTATIONS = [  # (detail, fragment, broken replacement)
      "cv2.COLOR_BGR2GRAY)\n        return cv2.resize"),
     ("stack padded with the reset frame", "gym.wrappers.FrameStackObservation(env, 4)",
      'gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")'),
+    # the hardening fixes: each is reverted, and a test must notice (4th: the file to run first)
+    ("CUDA RNG restores the training device only",
+     "cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda",
+     "cuda = torch.cuda.set_rng_state_all(cuda) if isinstance(cuda, list) and cuda else cuda",
+     "test_checkpoint.py"),
+    ("rank 0 decides the resume", "    if world_size == 1:\n        return resolve_run(",
+     "    if True:\n        return resolve_run(", "test_distributed.py"),
+    ("async workers told apart from the trainer", "if trainer_pid not in (None, os.getpid()):",
+     "if trainer_pid is not None:", "test_backends.py"),
+    ("parameters without a gradient skip the all-reduce",
+     "grads = [p.grad for p in agent.parameters() if p.grad is not None]",
+     "grads = [p.grad for p in agent.parameters()]", "test_distributed.py"),
+    ("Python callers' fields count as given", "    if explicit is None:  # called from Python",
+     "    explicit = set() if explicit is None else explicit\n    if False:",
+     "test_checkpoint.py"),
+    ("workers ignore SIGTERM, no timer", "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+     "signal.signal(signal.SIGTERM, lambda *_: signal.alarm(60))", "test_backends.py"),
+    ("cores of the allocation", "return len(os.sched_getaffinity(0)) if hasattr(",
+     "return os.cpu_count() if hasattr(", "test_backends.py"),
+    ("agent.pt written atomically", 'save_checkpoint(os.path.join(run_dir, "agent.pt"), {',
+     '(lambda p, s: torch.save(s, p))(os.path.join(run_dir, "agent.pt"), {',
+     "test_checkpoint.py"),
+    ("non-finite stop closes the writer", "            close(envs, writer)\n            fail(",
+     "            envs.close()\n            fail(", "test_checkpoint.py"),
+    ("rewards stay on the host", '"rewards": torch.zeros((T, N)),',
+     '"rewards": torch.zeros((T, N), device=device),', "test_devices.py"),
+    ("heads in float32 under bf16", "with torch.autocast(x.device.type, enabled=False):",
+     "with torch.autocast(x.device.type, enabled=torch.is_autocast_enabled()):",
+     "test_devices.py"),
+    ("cudnn.benchmark unless deterministic",
+     "torch.backends.cudnn.benchmark = not args.torch_deterministic",
+     "torch.backends.cudnn.benchmark = False", "test_devices.py"),
+    ("a continued run keeps its wandb id", 'id=os.path.basename(run_dir), resume="allow",',
+     "", "test_devices.py"),
+    ("a network mismatch is one line", "        if mine != theirs:", "        if False:",
+     "test_checkpoint.py"),
+    ("SPS from this process's first iteration",
+     "first = first or (global_step, now, int(batch_steps / (now - t0)))",
+     "first = first or (global_step - batch_steps, t0, 0)", "test_train.py"),
+    ("--stop-at-step stops",
+     "at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step",
+     "at_stop = False", "test_checkpoint.py"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",
@@ -112,18 +153,21 @@ MUTATIONS = [  # (detail, fragment, broken replacement)
 ]
 
 
-def run_one(source, fragment, replacement, files, timeout):
+def run_one(source, fragment, replacement, files, timeout, first=None):
     if source.count(fragment) != 1:
         return "GONE", 0.0
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(tmp, "tests"),
                         ignore=shutil.ignore_patterns("__pycache__"))
-        with open(os.path.join(tmp, "ppo_atari.py"), "w") as f:
+        script = os.path.join(tmp, "ppo_atari.py")
+        with open(script, "w") as f:
             f.write(source.replace(fragment, replacement))
         start = time.time()
         try:
             out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
-                                  "no:cacheprovider", *[os.path.join("tests", f) for f in files]],
+                                  "no:cacheprovider", "--script", script,
+                                  *[os.path.join("tests", f) for f in
+                                    ([first] if first else []) + [f for f in files if f != first]]],
                                  cwd=tmp,
                                  capture_output=True, text=True, timeout=timeout)
             verdict = "CAUGHT" if out.returncode == 1 else "MISSED" if out.returncode == 0 else \
@@ -140,16 +184,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="only details whose name contains this")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation")
+    parser.add_argument("--script", default=os.path.join(ROOT, "ppo_atari.py"),
+                        help="the copy of ppo_atari.py to break (default: the repository's)")
     a = parser.parse_args()
-    source = open(os.path.join(ROOT, "ppo_atari.py")).read()
+    source = open(a.script).read()
     files = [f for f in ORDER if os.path.exists(os.path.join(ROOT, "tests", f))]
     files += sorted(f for f in os.listdir(os.path.join(ROOT, "tests"))
                     if f.startswith("test_") and f.endswith(".py") and f not in files)
     start, results = time.time(), []
-    for detail, fragment, replacement in MUTATIONS:
+    for detail, fragment, replacement, *first in MUTATIONS:
         if a.only not in detail:
             continue
-        verdict, seconds = run_one(source, fragment, replacement, files, a.timeout)
+        verdict, seconds = run_one(source, fragment, replacement, files, a.timeout, *first)
         results.append(verdict.startswith("CAUGHT"))
         word, _, rest = verdict.partition(" ")
         print(f"{word:7} {detail:45} {seconds:4.0f} s  {rest}", flush=True)

@@ -1,9 +1,11 @@
 """Learning parity (not collected by pytest): do the speed options learn what the plain setup does?
 
-    python tests/parity.py --steps 300000 --seeds 1,2 --configs plain,ale,bf16 --jobs 2
+    python tests/parity.py --steps 300000 --seeds 1,2 --configs plain,bf16 --jobs 2
+    python tests/parity.py --plan 10000000 --steps 2000000 --seeds 1 --configs default
 
 Runs ppo_atari.py on Breakout for each configuration and seed (`--jobs` at a time, threads split
-between them), then prints each run's final charts/avg_episodic_return (mean of the last 100
+between them; with --plan, planned for that many steps and stopped at --steps with
+--stop-at-step, so the learning rate anneals over the plan), then prints each run's final charts/avg_episodic_return (mean of the last 100
 games) and, per configuration, the mean and the spread over seeds. Runs are kept under --out, and
 a finished run already there is reused instead of run again.
 
@@ -36,16 +38,14 @@ CONFIGS = {
     "default": [],  # --env-backend auto: sync on a CPU
     "plain": ["--env-backend", "sync", "--precision", "fp32"],
     "async": ["--env-backend", "async", "--precision", "fp32"],
-    "ale": ["--env-backend", "ale", "--precision", "fp32"],
     "bf16": ["--env-backend", "sync", "--precision", "bf16"],
-    "ale+bf16": ["--env-backend", "ale", "--precision", "bf16"],
 }
 
 
 def finished_run(out, config, seed, steps):
     for run in glob.glob(os.path.join(out, "runs", f"*__parity-{config}__{seed}__*")):
         if os.path.exists(os.path.join(run, "agent.pt")):
-            logged = scalars(run)["charts/avg_episodic_return"]
+            logged = scalars(run).get("charts/avg_episodic_return", [(0, None)])
             if logged[-1][0] >= steps - 8 * 128:
                 return run, logged[-1][1]
     return None, None
@@ -70,14 +70,14 @@ def numerics(run, seed=1):
     saved = {k: v for k, v in state["args"].items() if k in known}
     args = P.Args(**saved | {"env_backend": "sync"})
     envs = P.make_envs(args, seed)
-    agent = P.Agent(envs.single_action_space.n)
-    P.load_agent(agent, state, run)
+    agent = P.Agent(envs.single_observation_space.shape, envs.single_action_space.n)
+    P.load_agent(agent, state, run, args.env_id)
     o, _ = envs.reset(seed=seed)
     obs, actions, rewards, dones = [], [], [], []
     for _ in range(args.num_steps + 1):
         obs.append(torch.from_numpy(o))
         with torch.inference_mode():
-            actions.append(P.policy_step(agent, obs[-1])[0])
+            actions.append(agent.get_action_and_value(obs[-1])[0])
         o, r, terminated, truncated, _ = envs.step(actions[-1].numpy())
         rewards.append(torch.tensor(r))
         dones.append(torch.tensor(terminated | truncated).float())
@@ -99,8 +99,9 @@ def numerics(run, seed=1):
     def grad(bf16, idx):
         agent.zero_grad()
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            loss, _ = P.minibatch_loss(agent, flat[b][idx], act[b][idx], lp32[b][idx],
-                                       adv32[idx], returns[idx], values[idx], args.clip_coef, args)
+            mb = dict(obs=flat[b][idx], actions=act[b][idx], logprobs=lp32[b][idx],
+                      advantages=adv32[idx], returns=returns[idx], values=values[idx])
+            loss, _ = P.minibatch_loss(agent, mb, args.clip_coef, args)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in agent.parameters()])
 
@@ -123,7 +124,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300_000)
     parser.add_argument("--seeds", default="1,2")
-    parser.add_argument("--configs", default="plain,ale,bf16")
+    parser.add_argument("--configs", default="plain,bf16")
+    parser.add_argument("--plan", type=int, help="plan the runs for this many steps and stop "
+                        "them at --steps (--stop-at-step); default: plan = --steps")
     parser.add_argument("--env-id", default="BreakoutNoFrameskip-v4")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--out", default="parity-runs", help="folder for the runs")
@@ -137,17 +140,18 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     todo = [(c, int(s)) for c in a.configs.split(",") for s in a.seeds.split(",")
             if finished_run(a.out, c, int(s), a.steps)[0] is None]
-    threads = str(max(1, (os.cpu_count() or 1) // a.jobs))
+    threads = str(max(1, len(os.sched_getaffinity(0)) // a.jobs))
+    plan = ["--total-timesteps", str(a.plan), "--stop-at-step", str(a.steps)] if a.plan else \
+        ["--total-timesteps", str(a.steps)]
     running = []
     while todo or running:
         while todo and len(running) < a.jobs:
             config, seed = todo.pop(0)
             cmd = [sys.executable, os.path.join(ROOT, "ppo_atari.py"), *CONFIGS[config],
-                   "--env-id", a.env_id, "--total-timesteps", str(a.steps), "--seed", str(seed),
+                   "--env-id", a.env_id, *plan, "--seed", str(seed), "--threads", threads,
                    "--exp-name", f"parity-{config}", "--no-cuda"]
             log = open(os.path.join(a.out, f"{config}-{seed}.log"), "w")
-            env = dict(os.environ, OMP_NUM_THREADS=threads)
-            running.append(subprocess.Popen(cmd, cwd=a.out, stdout=log, stderr=log, env=env))
+            running.append(subprocess.Popen(cmd, cwd=a.out, stdout=log, stderr=log))
         time.sleep(5)
         running = [p for p in running if p.poll() is None]
 

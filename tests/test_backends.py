@@ -1,12 +1,12 @@
-"""The default environment: the in-file wrappers, in this process (sync) or a process per env
-(async) with the same numbers; the opt-in ale backend keeps the FIRE it plays out of the policy."""
+"""The environment: the in-file wrappers, in this process (sync) or a process per env (async)
+with the same numbers; async workers serve the trainer through signals and die with it."""
 import os
 import signal
 import subprocess
 import sys
 
 import numpy as np
-import torch
+import time
 
 import ppo_atari as P
 from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
@@ -44,22 +44,34 @@ def test_sync_and_async_train_to_the_same_losses(workdir, monkeypatch):
         (run,) = run_dirs(workdir / backend)
         logged[backend] = scalars(run)
     losses = [t for t in logged["sync"] if t.startswith("losses/")]
-    assert len(losses) == 8
+    assert losses and losses == [t for t in logged["async"] if t.startswith("losses/")]
     for tag in losses:
         assert len(logged["sync"][tag]) == 3
         assert logged["sync"][tag] == logged["async"][tag], tag
 
 
-def test_auto_picks_the_in_file_wrappers_on_every_machine(monkeypatch):
+def test_auto_picks_async_only_on_cuda_with_4_cores_per_process(monkeypatch):
     args = P.Args()
     assert args.env_backend == "auto"
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(P, "usable_cores", lambda: 16)
     assert P.choose_backend(args, use_cuda=True, local_processes=1) == "async"
     assert P.choose_backend(args, use_cuda=False, local_processes=1) == "sync"
     assert P.choose_backend(args, use_cuda=True, local_processes=8) == "sync"  # 2 cores each
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(P, "usable_cores", lambda: 2)
     assert P.choose_backend(args, use_cuda=True, local_processes=1) == "sync"
-    assert P.choose_backend(P.Args(env_backend="ale"), True, 1) == "ale"  # asked for: kept
+    assert P.choose_backend(P.Args(env_backend="async"), False, 1) == "async"  # asked for: kept
+
+
+def test_core_count_is_the_processs_allocation_not_the_machines():
+    """A SLURM or cgroup allocation (here: sched_setaffinity) gives the process fewer cores
+    than os.cpu_count() reports; auto and the thread split must see the allocation."""
+    code = ("import os, sys; import ppo_atari as P; os.sched_setaffinity(0, {0}); "
+            "print(P.usable_cores(), os.cpu_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(SCRIPT)), timeout=120,
+                         cwd=os.path.dirname(SCRIPT))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "1"
 
 
 def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path):
@@ -89,73 +101,6 @@ def test_async_workers_survive_sigterm_to_the_process_group(tmp_path):
     assert P.load_checkpoint(run)["global_step"] >= 64
 
 
-def test_masked_sample_has_no_policy_gradient():
-    torch.manual_seed(0)
-    n = 16
-    logits = torch.randn(n, 4, requires_grad=True)
-    logp_all = torch.log_softmax(logits, -1)
-    actions = torch.randint(0, 4, (n,))
-    newlogprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    old = newlogprob.detach() + 0.05 * torch.randn(n)
-    adv, ret, val = torch.randn(n), torch.randn(n), torch.randn(n)
-    newvalue = val.clone().requires_grad_(True)
-    mask = torch.ones(n)
-    mask[[3, 9]] = 0.0
-    loss, metrics = P.ppo_loss(newlogprob, entropy, newvalue, old, adv * 50, ret, val, 0.1,
-                               mask=mask)
-    loss.backward()
-    assert torch.all(logits.grad[[3, 9]] == 0), "a replaced action moved the policy"
-    assert logits.grad[mask.bool()].abs().sum() > 0
-    assert torch.all(newvalue.grad[[3, 9]] != 0), "the value target may still use the step"
-    # the kept samples alone, without a mask, give the same policy and entropy terms
-    keep = mask.bool()
-    _, alone = P.ppo_loss(newlogprob[keep], entropy[keep], newvalue[keep], old[keep],
-                          adv[keep] * 50, ret[keep], val[keep], 0.1)
-    for i in (0, 2, 3, 4, 5):  # pg_loss, entropy, the KL estimates, clipfrac
-        torch.testing.assert_close(metrics[i], alone[i])
-    # without a mask every sample counts: the replaced samples then change the policy term
-    _, unmasked = P.ppo_loss(newlogprob, entropy, newvalue, old, adv * 50, ret, val, 0.1)
-    assert not torch.isclose(unmasked[0], metrics[0])
-
-
-def test_ale_marks_exactly_the_fire_steps_it_played():
-    envs = P.make_envs(P.Args(num_envs=2, env_backend="ale"), seed=0)
-    envs.reset(seed=0)
-    rng, marked, lives_lost = np.random.default_rng(1), 0, np.zeros(2, bool)
-    for _ in range(1500):
-        _, _, terminated, truncated, infos = envs.step(rng.choice([0, 2, 3], size=2))
-        assert np.array_equal(infos["overridden"], lives_lost), "FIRE step not marked"
-        marked += infos["overridden"].sum()
-        over = np.zeros(2, bool)
-        if "episode" in infos.get("final_info", {}):
-            over = infos["final_info"]["_episode"]
-        lives_lost = terminated & ~over
-    envs.close()
-    assert marked >= 4
-
-
-def test_trainer_masks_the_ale_fire_steps(workdir, monkeypatch):
-    seen = []
-    real = P.minibatch_loss
-
-    def spy(*a):
-        seen.append(a[-1])
-        return real(*a)
-
-    monkeypatch.setattr(P, "minibatch_loss", spy)
-    P.main(P.Args(num_envs=2, num_steps=256, num_minibatches=1, update_epochs=1, cuda=False,
-                  total_timesteps=2 * 512, env_backend="ale", learning_rate=1e-9))
-    assert all(m is not None for m in seen)
-    assert sum(float((m == 0).sum()) for m in seen) > 0, "no FIRE step was masked"
-    seen.clear()
-    (workdir / "sync").mkdir()
-    monkeypatch.chdir(workdir / "sync")
-    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=1, update_epochs=1, cuda=False,
-                  total_timesteps=64, env_backend="sync"))
-    assert seen == [None]  # the in-file wrappers: CleanRL's unmasked loss
-
-
 def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
     """The workers outlive SIGTERM for the trainer's checkpoint; a trainer that crashes must
     still exit at once instead of waiting out their 60 s."""
@@ -169,3 +114,42 @@ def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=50)  # about 70 s when it waits for the workers
     assert proc.returncode == 1 and "bug in a fork" in err
+
+
+def signal_masks(pid):
+    """(ignored, caught) signal numbers of a process, from /proc."""
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines()
+                  if ":\t" in line)
+    mask = lambda hexmask: {s for s in range(1, 32) if int(hexmask, 16) >> (s - 1) & 1}  # noqa
+    return mask(status["SigIgn"]), mask(status["SigCgt"])
+
+
+def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp_path):
+    """A worker ignores SIGINT and SIGTERM outright (no alarm that would kill it during a long
+    iteration and checkpoint), and exits when its trainer is killed."""
+    code = ("import signal, time, ppo_atari as P\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
+            "envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
+            "envs.reset(seed=0)\n"
+            "print(' '.join(str(p.pid) for p in envs.processes), flush=True)\n"
+            "time.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(SCRIPT), env=dict(
+                                   os.environ, PYTHONPATH=os.path.dirname(SCRIPT)))
+    pids = [int(p) for p in trainer.stdout.readline().split()]
+    assert len(pids) == 2
+    for pid in pids:
+        ignored, caught = signal_masks(pid)
+        assert {signal.SIGINT, signal.SIGTERM} <= ignored, "a worker must ignore both"
+        assert signal.SIGALRM not in caught and signal.SIGTERM not in caught
+    assert signal.SIGINT not in signal_masks(trainer.pid)[0], "the trainer must not ignore it"
+    trainer.kill()  # SIGKILL: no atexit, no cleanup; the workers' pipes close
+    trainer.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and
+                                         "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+                                         for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, "workers outlived their trainer"

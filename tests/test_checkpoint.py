@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, obs_shape, run_dirs, run_script, scalars
+
+OBS = obs_shape()
 
 
 @pytest.fixture(autouse=True)
@@ -29,14 +31,13 @@ def tiny_args(**kw):
 
 def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     torch.manual_seed(0)
-    agent = P.Agent(4)
+    agent = P.Agent(OBS, 4)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    agent(torch.zeros(2, 4, 84, 84, dtype=torch.uint8))[1].sum().backward()
+    agent(torch.zeros(2, *OBS, dtype=torch.uint8))[1].sum().backward()
     opt.step()
-    np.random.seed(3)
     state = {"model": agent.state_dict(), "optimizer": opt.state_dict(), "args": {"seed": 1},
              "global_step": 1234, "iteration": 7, "rng": P.rng_state(), "recent_returns": [1.0]}
-    expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    expected = torch.rand(3)
     path = str(tmp_path / "checkpoint.pt")
     P.save_checkpoint(path, state)
     loaded = P.load_checkpoint(str(tmp_path))  # a folder stands for its checkpoint.pt
@@ -47,10 +48,30 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     exp_avg = loaded["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
     P.set_rng_state(loaded["rng"])
-    again = (torch.rand(3), np.random.rand(3), __import__("random").random())
-    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
-    assert expected[2] == again[2]
+    assert torch.equal(expected, torch.rand(3)), "the action/minibatch RNG was not restored"
     assert not os.path.exists(path + ".tmp")
+
+
+def test_cuda_rng_of_more_gpus_than_this_node_has_still_resumes(monkeypatch):
+    """A job requeued onto a node with fewer visible GPUs: the checkpoint's CUDA RNG (older ones
+    hold one state per GPU of the old node) restores the training device's RNG only."""
+    restored = []
+
+    def set_all(states):  # what torch does with more states than devices
+        if len(states) > 1:
+            raise IndexError("list index out of range")
+        restored.extend(states)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.ones(4))
+    states = [torch.full((4,), float(i)) for i in range(3)]
+    P.set_rng_state({"torch": torch.get_rng_state(), "cuda": states})
+    assert len(restored) == 1 and torch.equal(restored[0], states[0])
+    saved = P.rng_state()  # the training device's state only, not one per GPU
+    assert torch.equal(saved["cuda"], torch.ones(4))
 
 
 def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -160,10 +181,19 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(workdir, monke
         loss, metrics = real(*a, **kw)
         return (loss * float("nan"), metrics) if len(calls) > 8 else (loss, metrics)
 
+    closed, real_writer = [], P.SummaryWriter
+
+    class Writer(real_writer):
+        def close(self):
+            closed.append(1)
+            super().close()
+
     monkeypatch.setattr(P, "minibatch_loss", poisoned)
+    monkeypatch.setattr(P, "SummaryWriter", Writer)
     with pytest.raises(SystemExit) as e:
         P.main(tiny_args(total_timesteps=6 * 64, checkpoint_interval=1))
     assert e.value.code == 1
+    assert closed == [1], "the TensorBoard writer was not closed"
     assert "non-finite loss or parameters at iteration 3" in capsys.readouterr().err
     (run,) = run_dirs(workdir)
     ckpt = P.load_checkpoint(run)
@@ -209,20 +239,43 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
     data = open(os.path.join(run, "checkpoint.pt"), "rb").read()
     (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     state = P.load_checkpoint(run)
-    state["model"]["actor.weight"] = torch.zeros(6, 512)
+    weight = state["model"]["actor.weight"]
+    state["model"]["actor.weight"] = torch.zeros(6, weight.shape[1])
     state["model"]["actor.bias"] = torch.zeros(6)
     torch.save(state, tmp_path / "six_actions.pt")
+    other = P.load_checkpoint(run)
+    other["args"]["env_backend"] = "ale"
+    torch.save(other, tmp_path / "ale.pt")
+    shape = f"actor.weight is (6, {weight.shape[1]}) in the checkpoint (BreakoutNoFrameskip-v4) " \
+            f"and (4, {weight.shape[1]}) here"
     cases = [(["--resume", "truncated.pt"], "cannot load truncated.pt as a safe checkpoint"),
-             (["--eval-checkpoint", "six_actions.pt"], "with 6 actions; this game has 4"),
-             (["--resume", "six_actions.pt", "--total-timesteps", "256"],
-              "with 6 actions; this game has 4"),
+             (["--eval-checkpoint", "six_actions.pt"], shape),
+             (["--resume", "six_actions.pt", "--total-timesteps", "256"], shape),
+             (["--resume", "ale.pt"], "was trained with --env-backend ale"),
+             (["--resume", os.path.join(run, "agent.pt")], "is a saved agent, not a checkpoint"),
              (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
               "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
     for args, message in cases:
         out = run_script([*args, "--no-cuda"], cwd=tmp_path)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr
-    assert sorted(os.listdir(tmp_path)) == ["six_actions.pt", "truncated.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ale.pt", "six_actions.pt", "truncated.pt"]
+
+
+def test_another_network_is_one_line_naming_both_shapes(trained, tmp_path):
+    """A fork with another network meets its own older checkpoint: one line, no traceback."""
+    cwd, run = trained
+    source = open(SCRIPT).read()
+    line = ("        self.network = nn.Sequential(*convs, layer_init(nn.Linear(n_flat, 512)), "
+            "nn.ReLU())\n")
+    assert source.count(line) == 1
+    (tmp_path / "ppo_atari.py").write_text(source.replace(line, line.replace("512", "256")))
+    out = run_script(["--resume", run, "--total-timesteps", "256", "--no-cuda"], cwd=cwd,
+                     script=str(tmp_path / "ppo_atari.py"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    (message,) = out.stderr.splitlines()
+    assert "does not fit this network: network.7.weight is (512, 3136) in the checkpoint" in message
+    assert "and (256, 3136) here" in message
 
 
 def test_evaluation_plays_full_games_and_logs_them(trained):
@@ -236,6 +289,7 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout
     assert "over 2 games (agent at step 128)" in out.stdout
     assert "device: cpu (--no-cuda)" in out.stdout and "training" not in out.stdout
+    assert "evaluation events: " in out.stdout and "; videos: " in out.stdout
     (folder,) = os.listdir(os.path.join(run, "eval"))  # each evaluation: a TensorBoard run
     assert folder.startswith("step128-seed1-")
     logged = scalars(os.path.join(run, "eval", folder))
@@ -278,3 +332,50 @@ def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
     out, err = procs["twice"].communicate(timeout=120)
     assert procs["twice"].returncode == 130 and "second Ctrl-C: exiting now" in err
     assert "resume with: " not in out
+
+
+def test_main_from_python_honours_a_changed_total_on_resume(workdir):
+    """main(Args(resume=R, total_timesteps=N)) without an explicit set: fields that differ from
+    their defaults count as given, as they would on the command line."""
+    P.main(tiny_args(total_timesteps=64))
+    (run,) = run_dirs(workdir)
+    P.main(tiny_args(resume=run, total_timesteps=192))
+    assert P.load_checkpoint(run)["global_step"] == 192
+
+
+def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir, capsys):
+    """--stop-at-step: a run planned for 8 iterations and stopped after 4 has trained with the
+    learning rates of the full plan's first 4; the same command without it finishes the plan."""
+    (workdir / "full").mkdir()
+    (workdir / "cut").mkdir()
+    os.chdir(workdir / "full")
+    P.main(tiny_args(total_timesteps=8 * 64, run_name="r"))
+    full = scalars(str(workdir / "full" / "runs" / "r"))
+    os.chdir(workdir / "cut")
+    P.main(tiny_args(total_timesteps=8 * 64, run_name="r", stop_at_step=250))  # mid-iteration 4
+    run = str(workdir / "cut" / "runs" / "r")
+    ckpt = P.load_checkpoint(run)
+    assert ckpt["global_step"] == 256 and ckpt["args"]["total_timesteps"] == 8 * 64
+    assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False
+    assert "stopped at step 256 (--stop-at-step); continue to 512 with: " in capsys.readouterr().out
+    cut = scalars(run)
+    assert cut["charts/learning_rate"] == full["charts/learning_rate"][:4]
+    assert cut["losses/value_loss"] == full["losses/value_loss"][:4]  # the same training
+    # the same command again: already past the stop, nothing written
+    P.main(tiny_args(total_timesteps=8 * 64, run_name="r", stop_at_step=250))
+    assert "already past --stop-at-step 250; nothing written" in capsys.readouterr().out
+    assert P.load_checkpoint(run)["global_step"] == 256
+    # without it: on to the full plan, along the same schedule
+    P.main(tiny_args(total_timesteps=8 * 64, run_name="r"))
+    assert P.load_checkpoint(run)["global_step"] == 512
+    assert scalars(run)["charts/learning_rate"] == full["charts/learning_rate"]
+
+
+def test_agent_pt_is_written_atomically(workdir, monkeypatch):
+    """agent.pt goes through save_checkpoint (temporary file, fsync, rename), as checkpoint.pt
+    does: a crash while writing it leaves the previous agent.pt whole."""
+    written, real = [], P.save_checkpoint
+    monkeypatch.setattr(P, "save_checkpoint", lambda path, state: (written.append(
+        os.path.basename(path)), real(path, state)))
+    P.main(tiny_args(total_timesteps=64))
+    assert written.count("agent.pt") == 1 and "checkpoint.pt" in written

@@ -13,7 +13,8 @@ def test_help_is_clean_with_user_warnings_as_errors(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for flag in ("--env-id", "--total-timesteps", "--anneal-clip", "--no-anneal-clip",
-                 "--target-kl", "--resume", "--eval-checkpoint", "--precision"):
+                 "--target-kl", "--resume", "--eval-checkpoint", "--precision", "--stop-at-step",
+                 "--threads"):
         assert flag in out.stdout
     assert "--batch-size" not in out.stdout and "--num-iterations" not in out.stdout
     assert not os.path.exists(tmp_path / "runs")
@@ -30,13 +31,15 @@ BAD = {
     "frameskip_v4": (["--env-id", "Breakout-v4"], "has a random frame skip; use "
                      "BreakoutNoFrameskip-v4 (the published setting) or ALE/Breakout-v5"),
     "sticky_v0": (["--env-id", "PongNoFrameskip-v0"], "has sticky actions; use PongNoFrameskip-v4"),
-    "typo_prefers_v4": (["--env-id", "Breakot-v4"], "did you mean ALE/Breakout-v5 or "
-                        "BreakoutNoFrameskip-v4?"),
+    "typo_prefers_v4": (["--env-id", "Breakot-v4"], "did you mean BreakoutNoFrameskip-v4?"),
+    "game_name_only": (["--env-id", "breakout"], "did you mean BreakoutNoFrameskip-v4?"),
+    "deterministic_id": (["--env-id", "PongDeterministic-v4"], "did you mean PongNoFrameskip-v4?"),
+    "misspelt_v4": (["--env-id", "BrekoutNoFrameskip-v4"], "did you mean BreakoutNoFrameskip-v4?"),
+    "zero_threads": (["--threads", "0"], "--threads must be a positive integer"),
+    "zero_stop": (["--stop-at-step", "0"], "--stop-at-step must be a positive integer"),
     "tiny_budget": (["--total-timesteps", "10"], "--total-timesteps 10 is less than one batch"),
     "missing_resume": (["--resume", "no/such/run"], "no checkpoint at no/such/run"),
     "missing_eval": (["--eval-checkpoint", "nothing.pt"], "no checkpoint at nothing.pt"),
-    "video_on_ale": (["--capture-video", "--env-backend", "ale"],
-                     "--capture-video needs the in-file wrappers"),
 }
 
 
@@ -63,3 +66,11 @@ def test_bad_input_fails_with_one_clear_line(bad_runs, name):
     assert BAD[name][1] in lines[0]
     assert "Traceback" not in stderr + stdout
     assert sorted(os.listdir(cwd)) == ["keep.txt"] and (cwd / "keep.txt").read_text() == "precious"
+
+
+def test_the_removed_ale_backend_is_an_invalid_choice(tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, "--env-backend", "ale"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "invalid choice 'ale' for argument '--env-backend'" in out.stderr
+    assert not os.listdir(tmp_path)

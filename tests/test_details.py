@@ -10,6 +10,9 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
+from conftest import obs_shape
+
+OBS = obs_shape()
 
 
 def batch(n=64, seed=0):
@@ -24,7 +27,9 @@ def batch(n=64, seed=0):
 def test_loss_is_pg_minus_entropy_bonus_plus_weighted_value_loss():
     for ent_coef, vf_coef in [(0.01, 0.5), (0.3, 2.0)]:
         loss, m = P.ppo_loss(**batch(), clip_coef=0.1, ent_coef=ent_coef, vf_coef=vf_coef)
-        torch.testing.assert_close(loss, m[0] - ent_coef * m[2] + vf_coef * m[1])
+        expected = m["policy_loss"] - ent_coef * m["entropy"] + vf_coef * m["value_loss"]
+        torch.testing.assert_close(loss, expected, msg="the loss of record is pg_loss - "
+                                   "ent_coef * entropy + vf_coef * v_loss (CleanRL, baselines)")
 
 
 def test_the_entropy_term_pushes_towards_more_entropy():
@@ -41,14 +46,16 @@ def test_the_entropy_term_pushes_towards_more_entropy():
 
 
 def test_entropy_is_that_of_the_categorical_policy():
-    agent = P.Agent(4)
-    nn.init.zeros_(agent.actor.weight)  # uniform policy: entropy log 4
-    obs = torch.randint(0, 255, (8, 4, 84, 84), dtype=torch.uint8)
-    args = P.Args()
+    agent = P.Agent(OBS, 4)
+    with torch.no_grad():  # a uniform policy: entropy log 4, whatever the network
+        for p in agent.parameters():
+            p.zero_()
+    obs = torch.randint(0, 255, (8, *OBS), dtype=torch.uint8)
     _, value = agent(obs)
-    _, m = P.minibatch_loss(agent, obs, torch.zeros(8, dtype=torch.long), torch.zeros(8),
-                            torch.randn(8), value.detach(), value.detach(), 0.1, args)
-    assert math.isclose(m[2].item(), math.log(4), rel_tol=1e-5)
+    mb = dict(obs=obs, actions=torch.zeros(8, dtype=torch.long), logprobs=torch.zeros(8),
+              advantages=torch.randn(8), returns=value.detach(), values=value.detach())
+    _, m = P.minibatch_loss(agent, mb, 0.1, P.Args())
+    assert math.isclose(m["entropy"].item(), math.log(4), rel_tol=1e-5)
 
 
 def test_policy_gradient_flows_through_the_ratio():
@@ -68,9 +75,10 @@ def test_advantage_normalization_is_per_minibatch_and_affine_invariant():
     _, base = P.ppo_loss(**b, clip_coef=0.1)
     b["advantages"] = b["advantages"] * 7.0 + 5.0
     _, moved = P.ppo_loss(**b, clip_coef=0.1)
-    torch.testing.assert_close(base[0], moved[0])  # the same pg_loss: mean and scale removed
+    # the same pg_loss: mean and scale removed
+    torch.testing.assert_close(base["policy_loss"], moved["policy_loss"])
     _, raw = P.ppo_loss(**b, clip_coef=0.1, norm_adv=False)
-    assert not torch.isclose(raw[0], base[0])
+    assert not torch.isclose(raw["policy_loss"], base["policy_loss"])
 
 
 def test_value_loss_is_half_the_clipped_squared_error():
@@ -79,10 +87,10 @@ def test_value_loss_is_half_the_clipped_squared_error():
     newvalue = torch.tensor([0.5, 0.05])  # the first moved more than clip 0.2: clipped to 0.2
     _, m = P.ppo_loss(zero, zero, newvalue, zero, zero, returns, values, 0.2)
     expected = 0.5 * (max((0.5 - 1) ** 2, (0.2 - 1) ** 2) + max(2.05 ** 2, 2.05 ** 2)) / 2
-    assert math.isclose(m[1].item(), expected, rel_tol=1e-6)
+    assert math.isclose(m["value_loss"].item(), expected, rel_tol=1e-6)
     _, plain = P.ppo_loss(zero, zero, newvalue, zero, zero, returns, values, 0.2,
                           clip_vloss=False)
-    assert math.isclose(plain[1].item(), 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2, rel_tol=1e-6)
+    assert math.isclose(plain["value_loss"].item(), 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2, rel_tol=1e-6)
 
 
 def singular_values(layer):
@@ -90,21 +98,26 @@ def singular_values(layer):
 
 
 def test_orthogonal_init_gains_and_zero_biases():
-    agent = P.Agent(6)
+    """Pins the published network: NatureCNN (3 convs, a 512 Linear) with orthogonal init,
+    gains sqrt 2 (hidden), 0.01 (actor), 1 (critic), zero biases (CleanRL, baselines)."""
+    agent = P.Agent(OBS, 6)
     hidden = [m for m in agent.network if isinstance(m, (nn.Conv2d, nn.Linear))]
-    assert len(hidden) == 4
+    assert len(hidden) == 4, "NatureCNN of record: 3 conv layers and a Linear(., 512)"
     for layer in hidden:  # orthogonal with gain sqrt(2): every singular value sqrt(2)
         torch.testing.assert_close(singular_values(layer),
-                                   torch.full_like(singular_values(layer), math.sqrt(2)))
-    torch.testing.assert_close(singular_values(agent.actor), torch.full((6,), 0.01))
-    torch.testing.assert_close(singular_values(agent.critic), torch.ones(1))
+                                   torch.full_like(singular_values(layer), math.sqrt(2)),
+                                   msg="hidden layers: orthogonal init, gain sqrt(2)")
+    torch.testing.assert_close(singular_values(agent.actor), torch.full((6,), 0.01),
+                               msg="actor head: orthogonal init, gain 0.01")
+    torch.testing.assert_close(singular_values(agent.critic), torch.ones(1),
+                               msg="critic head: orthogonal init, gain 1")
     for layer in hidden + [agent.actor, agent.critic]:
-        assert torch.count_nonzero(layer.bias) == 0
+        assert torch.count_nonzero(layer.bias) == 0, "biases start at zero"
 
 
 def test_observations_are_scaled_to_unit_range():
-    agent = P.Agent(4)
-    obs = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    agent = P.Agent(OBS, 4)
+    obs = torch.randint(0, 256, (3, *OBS), dtype=torch.uint8)
     logits, value = agent(obs)
     hidden = agent.network(obs.float() / 255.0)
     torch.testing.assert_close(value, agent.critic(hidden).squeeze(-1))
@@ -115,17 +128,17 @@ class Truncating(gym.Env):
     """Atari-shaped stand-in: random frames, reward 1 on action 0, truncated every 5 steps."""
 
     def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
         self.action_space = gym.spaces.Discrete(4)
 
     def reset(self, seed=None, options=None):
         super().reset(seed=seed)
         self.t = 0
-        return self.np_random.integers(0, 255, (4, 84, 84), dtype=np.uint8), {}
+        return self.np_random.integers(0, 255, OBS, dtype=np.uint8), {}
 
     def step(self, action):
         self.t += 1
-        obs = self.np_random.integers(0, 255, (4, 84, 84), dtype=np.uint8)
+        obs = self.np_random.integers(0, 255, OBS, dtype=np.uint8)
         return obs, float(action == 0), False, self.t % 5 == 0, {}
 
 
@@ -147,12 +160,12 @@ def instrumented(tmp_path_factory):
         seen["clip"].append(max_norm)
         return real_clip(params, max_norm, *a, **kw)
 
-    def loss(agent, obs, actions, logprob, *rest):
-        logits, _ = agent(obs)
-        now = torch.log_softmax(logits, -1).gather(-1, actions[:, None]).squeeze(-1)
-        seen["loss"].append((actions.clone(), (now - logprob).abs().max().item(),
-                             float(rest[3]), seen["optimizer"].param_groups[0]["lr"]))
-        return real_loss(agent, obs, actions, logprob, *rest)
+    def loss(agent, mb, clip_coef, args):
+        logits, _ = agent(mb["obs"])
+        now = torch.log_softmax(logits, -1).gather(-1, mb["actions"][:, None]).squeeze(-1)
+        seen["loss"].append((mb["actions"].clone(), (now - mb["logprobs"]).abs().max().item(),
+                             float(clip_coef), seen["optimizer"].param_groups[0]["lr"]))
+        return real_loss(agent, mb, clip_coef, args)
 
     def gae(rewards, values, dones, next_value, *a):
         seen["gae"].append((dones.clone(), next_value.clone()))

@@ -1,30 +1,58 @@
-"""The same file under torchrun: 2 CPU processes with gloo."""
+"""The same file under torchrun, or launched by hand: 2 CPU processes with gloo."""
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import torch
 
 import ppo_atari as P
-from conftest import ROOT, SCRIPT, TINY, run_dirs, scalars
+from conftest import SCRIPT, TINY, obs_shape, run_dirs, scalars
 
-HARNESS = f"""
-import os, sys
-sys.path.insert(0, {ROOT!r})
+# Runs the file under test (PPO_ATARI_SCRIPT) and saves each rank's final weights; FREEZE=1
+# trains an Agent whose first conv layer is frozen.
+HARNESS = """
+import importlib.util, os, sys
 import torch, tyro
-import ppo_atari as P
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+if os.environ.get("FREEZE"):
+    class Frozen(P.Agent):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.network[0].requires_grad_(False)
+    P.Agent = Frozen
 agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
-torch.save(agent.state_dict(), f"rank{{os.environ['RANK']}}.pt")
+if agent is not None:
+    torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")
 """
 
 
-def torchrun(cwd, *args, script="harness.py"):
+def torchrun(cwd, *args, script="harness.py", env=None):
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", "29517", str(cwd / script), *args],
         cwd=cwd, capture_output=True, text=True, timeout=400,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {})))
+
+
+def by_hand(folders, *args):
+    """Two processes started by hand (as a multi-node launcher would): RANK, WORLD_SIZE and
+    MASTER_ADDR/PORT set, each in its own working folder, so each has its own runs/."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, str(folder.parent / "harness.py"), *args], cwd=folder,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", RANK=str(rank), WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0",
+                 LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1"))
+        for rank, folder in enumerate(folders)]
+    return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 
 
 def test_two_processes_train_in_step_and_resume(tmp_path):
@@ -69,3 +97,41 @@ def test_async_workers_start_after_the_process_group(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = run_dirs(tmp_path)
     assert P.load_checkpoint(run)["global_step"] == 128
+
+
+def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(tmp_path):
+    """Only rank 0's folder holds the checkpoint (node-local disks): rank 1 must continue the
+    same run from rank 0's state, not start afresh (which would hang or diverge)."""
+    (tmp_path / "harness.py").write_text(HARNESS)
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    flags = [*TINY, "--run-name", "job", "--dist-timeout", "60"]
+    for code, out, err in by_hand(folders, *flags, "--total-timesteps", "256"):
+        assert code == 0, err[-3000:]
+    assert not (folders[1] / "runs").exists(), "rank 1 wrote a run folder"
+    results = by_hand(folders, *flags, "--total-timesteps", "384")
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    assert "continuing runs/job at step 256 of 384" in results[0][1]
+    r0, r1 = torch.load(folders[0] / "rank0.pt"), torch.load(folders[1] / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0), "the ranks trained different weights"
+    ckpt = P.load_checkpoint(str(folders[0] / "runs" / "job"))
+    assert ckpt["global_step"] == 384 and ckpt["iteration"] == 3
+
+
+def test_a_frozen_layer_trains_under_two_processes(tmp_path):
+    """Parameters without a gradient (frozen, or an unused head) are left out of the
+    all-reduce instead of crashing it."""
+    (tmp_path / "harness.py").write_text(HARNESS)
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", env={"FREEZE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    torch.manual_seed(1)  # rank 0's seed: its initial weights are broadcast to every rank
+    initial = P.Agent(obs_shape(), 4).state_dict()
+    # (orthogonal init may differ in the last bits with another thread count; a step moves ~1e-4)
+    frozen, trained = (torch.allclose(initial[k], r0[k], atol=1e-6, rtol=0)
+                       for k in ("network.0.weight", "network.7.weight"))
+    assert frozen, "the frozen layer moved"
+    assert not trained, "the other layers did not train"

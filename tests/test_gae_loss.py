@@ -4,6 +4,9 @@ import pytest
 import torch
 
 import ppo_atari as P
+from conftest import obs_shape
+
+OBS = obs_shape()
 
 
 def reference_gae(rewards, values, dones, next_value, gamma, lam):
@@ -62,19 +65,19 @@ def test_matches_reference_on_random_rollouts(seed):
 
 def test_first_minibatch_has_ratio_one_no_clipping_no_kl():
     torch.manual_seed(0)
-    agent = P.Agent(4)
-    obs = torch.randint(0, 256, (32, 4, 84, 84), dtype=torch.uint8)
+    agent = P.Agent(OBS, 4)
+    obs = torch.randint(0, 256, (32, *OBS), dtype=torch.uint8)
     with torch.no_grad():
-        actions, logprobs, values = P.policy_step(agent, obs)
-    args = P.Args()
-    advantages, returns = torch.randn(32), torch.randn(32)
-    loss, m = P.minibatch_loss(agent, obs, actions, logprobs, advantages, returns, values,
-                               torch.tensor(0.1), args)
-    pg_loss, v_loss, entropy, old_kl, kl, clipfrac, v_clipfrac = m.tolist()
-    assert abs(old_kl) < 1e-6 and abs(kl) < 1e-6 and clipfrac == 0.0 and v_clipfrac == 0.0
+        actions, logprobs, _, values = agent.get_action_and_value(obs)
+    mb = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(32),
+              returns=torch.randn(32), values=values)
+    loss, m = P.minibatch_loss(agent, mb, torch.tensor(0.1), P.Args())
+    m = {k: v.item() for k, v in m.items()}
+    assert abs(m["old_approx_kl"]) < 1e-6 and abs(m["approx_kl"]) < 1e-6
+    assert m["clipfrac"] == 0.0 and m["value_clipfrac"] == 0.0
     # ratio 1 and normalized advantages (mean 0): the surrogate is 0
-    assert abs(pg_loss) < 1e-5
-    assert 0 < entropy <= np.log(4) + 1e-6
+    assert abs(m["policy_loss"]) < 1e-5
+    assert 0 < m["entropy"] <= np.log(4) + 1e-6
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in agent.parameters())
 
@@ -84,8 +87,8 @@ def test_forward_scales_a_copy_and_matches_float_input():
     input (which .to() would otherwise return as is) stays untouched, and gives the same
     outputs as the uint8 frames it holds."""
     torch.manual_seed(0)
-    agent = P.Agent(4)
-    frames = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    agent = P.Agent(OBS, 4)
+    frames = torch.randint(0, 256, (8, *OBS), dtype=torch.uint8)
     as_float = frames.to(torch.float32, memory_format=torch.channels_last)
     before = as_float.clone()
     with torch.no_grad():
@@ -117,8 +120,8 @@ def crafted(ratio, advantage, newvalue=0.0, value=0.0, ret=0.0, clip=0.2, clip_v
 ])
 def test_surrogate_clipping(ratio, advantage, expected, clipped):
     m, grad, _ = crafted(ratio, advantage)
-    assert m[0].item() == pytest.approx(expected, rel=1e-5)
-    assert m[5].item() == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
+    assert m["policy_loss"].item() == pytest.approx(expected, rel=1e-5)
+    assert m["clipfrac"].item() == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
     # a clipped term passes no gradient to the policy
     assert (grad == 0.0) == clipped
 
@@ -126,9 +129,11 @@ def test_surrogate_clipping(ratio, advantage, expected, clipped):
 def test_value_clipping():
     # value moved 0 -> 0.5 towards the return 1; clip 0.2 keeps the pessimistic (clipped) error
     m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0)
-    assert m[1].item() == pytest.approx(0.5 * 0.8 ** 2) and m[6].item() == 1.0
-    assert vgrad == 0.0
+    assert m["value_loss"].item() == pytest.approx(0.5 * 0.8 ** 2)
+    assert m["value_clipfrac"].item() == 1.0 and vgrad == 0.0
     m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0, clip_vloss=False)
-    assert m[1].item() == pytest.approx(0.5 * 0.5 ** 2) and vgrad == pytest.approx(-0.5)
+    assert m["value_loss"].item() == pytest.approx(0.5 * 0.5 ** 2)
+    assert vgrad == pytest.approx(-0.5)
     m, _, _ = crafted(1.0, 0.0, newvalue=0.1, value=0.0, ret=1.0)  # inside: unclipped error
-    assert m[1].item() == pytest.approx(0.5 * 0.9 ** 2) and m[6].item() == 0.0
+    assert m["value_loss"].item() == pytest.approx(0.5 * 0.9 ** 2)
+    assert m["value_clipfrac"].item() == 0.0

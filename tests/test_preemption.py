@@ -97,8 +97,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "--max-restarts", "1", SCRIPT, *TINY, "--total-timesteps", str(total),
-         "--checkpoint-interval", "3", "--run-name", "elastic", "--dist-timeout", "60",
-         "--env-backend", "ale"],  # with ale the stale-address race shows (fails unfixed)
+         "--checkpoint-interval", "3", "--run-name", "elastic", "--dist-timeout", "60"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     run = str(tmp_path / "runs" / "elastic")
@@ -122,3 +121,31 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
     one = run_script([*TINY, "--total-timesteps", str(2 * total), "--run-name", "elastic"],
                      cwd=tmp_path)
     assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
+
+
+TRAINER_IN_A_CHILD = """
+import multiprocessing, os, signal, sys
+sys.path.insert(0, os.path.dirname(os.environ["PPO_ATARI_SCRIPT"]))
+
+def train():
+    import ppo_atari as P
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  total_timesteps=128))
+    sys.exit(3 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 0)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    child = multiprocessing.get_context("spawn").Process(target=train)
+    child.start()
+    child.join()
+    print("exit", child.exitcode, flush=True)
+"""
+
+
+def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker(tmp_path):
+    """A sweep (multiprocessing.Pool, submitit) runs the trainer in a child process: it must
+    keep Ctrl-C (not ignore it as an async env worker does), also after training."""
+    (tmp_path / "sweep.py").write_text(TRAINER_IN_A_CHILD)
+    out = subprocess.run([sys.executable, "sweep.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert "exit 0" in out.stdout, (out.stdout, out.stderr[-2000:])

@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import cv2
 import gymnasium as gym
@@ -10,8 +11,10 @@ import numpy as np
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, loss_metric_names, obs_shape, run_dirs, run_script, scalars
 
+OBS = obs_shape()
+# CleanRL's tags (so curves overlay on published ones): a fork may add tags, never lose these
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/SPS",
         "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
         "losses/approx_kl", "losses/clipfrac", "losses/explained_variance",
@@ -35,7 +38,10 @@ def test_file_alone_trains_and_logs_every_tag(tmp_path):
     assert out.stdout.splitlines()[-1] == f"run folder: {shown}"
     assert os.path.basename(run).startswith("BreakoutNoFrameskip-v4__ppo_atari__1__")
     logged = scalars(run)
-    assert set(TAGS) <= set(logged), set(TAGS) - set(logged)
+    assert set(TAGS) <= set(logged), f"CleanRL's tags missing: {set(TAGS) - set(logged)}"
+    # every metric the loss returns is logged as losses/<name>, and nothing else is
+    assert {t for t in logged if t.startswith("losses/")} == {
+        f"losses/{name}" for name in loss_metric_names()} | {"losses/explained_variance"}
     assert [s for s, _ in logged["charts/learning_rate"]] == [128, 256, 384, 512]
     # lr annealed linearly from 2.5e-4: 1, 3/4, 1/2, 1/4 of it
     np.testing.assert_allclose([v for _, v in logged["charts/learning_rate"]],
@@ -61,7 +67,7 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
     la, lb = scalars(a), scalars(b)
     losses = [t for t in la if t.startswith("losses/")]
-    assert len(losses) == 8
+    assert len(losses) == len(loss_metric_names()) + 1  # and explained_variance
     for tag in losses:
         assert la[tag] == lb[tag], tag
     assert la["losses/value_loss"][0][1] != la["losses/value_loss"][1][1]  # the data is real
@@ -72,13 +78,14 @@ class ShowAndPick(gym.Env):
     picking its column scores 1. 10 steps a game: chance scores 2.5, a perfect policy 10."""
 
     def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
         self.action_space = gym.spaces.Discrete(4)
 
     def _show(self):
         self.target = int(self.np_random.integers(4))
-        obs = self.np_random.integers(0, 60, (4, 84, 84), dtype=np.uint8)
-        obs[:, :, self.target * 21:(self.target + 1) * 21] += 150
+        obs = self.np_random.integers(0, 60, OBS, dtype=np.uint8)
+        width = OBS[-1] // 4
+        obs[:, :, self.target * width:(self.target + 1) * width] += 150
         return obs
 
     def reset(self, seed=None, options=None):
@@ -114,7 +121,43 @@ def test_compile_and_bf16_train_and_save_plain_weights(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = run_dirs(tmp_path)
     saved = P.load_checkpoint(os.path.join(run, "agent.pt"))["model"]
-    assert list(saved) == list(P.Agent(4).state_dict())  # no torch.compile prefixes
+    assert list(saved) == list(P.Agent(OBS, 4).state_dict())  # no torch.compile prefixes
     assert all(t.dtype == torch.float32 for t in saved.values())  # autocast leaves fp32 weights
     losses = scalars(run)["losses/value_loss"]
     assert len(losses) == 2 and all(np.isfinite(v) for _, v in losses)
+
+
+def test_a_copy_with_64x64_frames_trains(tmp_path):
+    """The frame size is a one-place edit (GrayResize's size): storage, staging, batch and the
+    network's flattened size all follow the observation space."""
+    source = open(SCRIPT).read()
+    line = "    def __init__(self, env, size: int = 84):\n"
+    assert source.count(line) == 1, "GrayResize's size default is where the frame size lives"
+    (tmp_path / "ppo_atari.py").write_text(source.replace(line, line.replace("84", "64")))
+    out = run_script([*TINY, "--total-timesteps", "64"], cwd=tmp_path,
+                     script=str(tmp_path / "ppo_atari.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = run_dirs(tmp_path)
+    saved = P.load_checkpoint(os.path.join(run, "agent.pt"))["model"]
+    assert saved["network.7.weight"].shape == (512, 64 * 4 * 4)  # 64x64 frames -> 4x4 maps
+    assert len(scalars(run)["losses/value_loss"]) == 1
+
+
+def test_sps_counts_from_the_end_of_the_first_iteration(workdir, monkeypatch):
+    """A slow first iteration (warm-up after a start or resume) must not drag SPS down."""
+    real, calls = P.rollout, []
+
+    def slow_first(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(2.0)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(P, "rollout", slow_first)
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  total_timesteps=4 * 64))
+    (run,) = run_dirs(workdir)
+    sps = [v for _, v in scalars(run)["charts/SPS"]]
+    assert sps[0] < 64 / 2.0  # the first iteration reports its own rate, sleep included
+    # counted from the process start, 256 steps over more than 2 s would be < 128
+    assert sps[-1] > 256 / 2.0, sps

@@ -1,0 +1,74 @@
+"""Do two copies of ppo_atari.py train identically? (not collected by pytest)
+
+    python tests/compare_scalars.py OLD.py NEW.py [-- extra flags]
+    python tests/compare_scalars.py old.py ppo_atari.py --iterations 2 --config default
+
+Runs both files in subprocesses on the CPU, same seed and flags, one after the other, and
+compares every TensorBoard scalar except the timing ones (charts/SPS, charts/rollout_time,
+charts/update_time) value for value. Prints each tag with its verdict; exit code 1 unless all
+are bit-identical. This is how a refactor that should not change the numbers is checked.
+"""
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import scalars  # noqa: E402
+
+TIMING = {"charts/SPS", "charts/rollout_time", "charts/update_time"}
+CONFIGS = {  # name: (flags, steps per iteration)
+    "tiny": (["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2",
+              "--update-epochs", "2"], 64),
+    "default": ([], 1024),
+}
+
+
+def run(script, flags, cwd):
+    out = subprocess.run([sys.executable, os.path.abspath(script), *flags, "--no-cuda",
+                          "--run-name", "compare"], cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{script} failed:\n{out.stderr[-3000:]}")
+    return scalars(os.path.join(cwd, "runs", "compare"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--config", choices=list(CONFIGS), default="tiny")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("extra", nargs="*", help="more flags for both runs (after --)")
+    a = parser.parse_args()
+    flags, per_iteration = CONFIGS[a.config]
+    flags = [*flags, "--total-timesteps", str(a.iterations * per_iteration), "--seed",
+             str(a.seed), *a.extra]
+    with tempfile.TemporaryDirectory() as tmp:
+        logged = []
+        for name, script in (("old", a.old), ("new", a.new)):
+            os.mkdir(os.path.join(tmp, name))
+            logged.append(run(script, flags, os.path.join(tmp, name)))
+    old, new = logged
+    same = True
+    for tag in sorted(set(old) | set(new)):
+        if tag in TIMING:
+            continue
+        a_, b_ = old.get(tag), new.get(tag)
+        if a_ is None or b_ is None:
+            verdict, same = f"only in {'new' if a_ is None else 'old'}", False
+        elif a_ == b_ or (len(a_) == len(b_) and all(
+                s == t and (v == w or (math.isnan(v) and math.isnan(w)))
+                for (s, v), (t, w) in zip(a_, b_))):
+            verdict = f"identical ({len(a_)} values)"
+        else:
+            verdict, same = "DIFFERENT", False
+        print(f"{tag:35} {verdict}")
+    print("all scalars identical" if same else "scalars differ")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What the CPU can check of the CUDA paths: the rollout's host-device traffic, the heads'
+precision under bf16, cudnn's settings, and wandb's arguments for a continued run."""
+import importlib.machinery
+import sys
+import types
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+import ppo_atari as P
+from conftest import obs_shape, run_dirs
+
+OBS = obs_shape()
+
+
+class Blank(gym.Env):
+    """Atari-shaped stand-in: zero frames, reward 1, an episode ends every 3 steps."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
+        self.action_space = gym.spaces.Discrete(4)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(OBS, np.uint8), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(OBS, np.uint8), 1.0, self.t % 3 == 0, False, {}
+
+
+class CountMoves(TorchFunctionMode):
+    """Counts Tensor.to / .cuda / .copy_ calls made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.moves = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("to", "cuda", "copy_"):
+            self.moves += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
+    """On CUDA every per-step copy of rewards or dones to the device is a blocking sync; they
+    are kept on the host, and the rollout moves only the next observation per step."""
+    storage = P.make_storage(OBS, 6, 2, torch.device("meta"))  # meta: a device without memory
+    assert storage["rewards"].device.type == "cpu" and storage["dones"].device.type == "cpu"
+    assert storage["obs"].device.type == "meta" and storage["values"].device.type == "meta"
+
+    storage = P.make_storage(OBS, 6, 2, torch.device("cpu"))
+    envs = gym.vector.SyncVectorEnv([Blank, Blank],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    staging = torch.zeros((2, *OBS), dtype=torch.uint8)
+    next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=0)[0]))
+
+    def policy(obs):  # no tensor moves of its own
+        n = obs.shape[0]
+        return torch.zeros(n, dtype=torch.long), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+
+    with CountMoves() as counter:
+        P.rollout(policy, envs, next_obs, storage, staging, torch.autocast("cpu", enabled=False),
+                  0, 2)
+    # per step: the observation into staging, and staging to the device; nothing else
+    assert counter.moves == 2 * 6, f"{counter.moves} moves in 6 steps"
+    assert torch.equal(storage["rewards"], torch.ones(6, 2))
+    assert torch.equal(storage["dones"][:, 0], torch.tensor([0.0, 0, 1, 0, 0, 1]))
+
+
+def test_heads_compute_in_float32_under_bf16_autocast():
+    """bf16 rounds values of 8-16 to steps of 0.0625 (the value clip is 0.1): the trunk may run
+    in bf16, the policy and value heads must not."""
+    agent = P.Agent(OBS, 4)
+    dtypes = {}
+    agent.actor.register_forward_hook(lambda m, i, o: dtypes.__setitem__("actor", o.dtype))
+    agent.critic.register_forward_hook(lambda m, i, o: dtypes.__setitem__("critic", o.dtype))
+    obs = torch.randint(0, 256, (4, *OBS), dtype=torch.uint8)
+    with torch.autocast("cpu", torch.bfloat16):
+        logits, value = agent(obs)
+    assert dtypes == {"actor": torch.float32, "critic": torch.float32}
+    assert logits.dtype == value.dtype == torch.float32
+
+
+def tiny(**kw):
+    return P.Args(**{"num_envs": 2, "num_steps": 32, "num_minibatches": 2, "update_epochs": 1,
+                     "cuda": False, "total_timesteps": 64, **kw})
+
+
+def test_cudnn_benchmark_is_on_unless_deterministic(workdir, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    P.main(tiny(torch_deterministic=False, run_name="fast"))
+    assert torch.backends.cudnn.benchmark is True
+    P.main(tiny(run_name="exact"))
+    assert torch.backends.cudnn.benchmark is False and torch.backends.cudnn.deterministic
+
+
+def test_a_continued_run_continues_the_same_wandb_run(workdir, monkeypatch):
+    """wandb is optional (not in requirements): a stand-in module records what init is given.
+    Each requeue or resume of a run must log to one wandb run, whose id is the folder's."""
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    P.main(tiny(track=True, run_name="tracked"))
+    P.main(tiny(track=True, run_name="tracked", total_timesteps=128))  # continued
+    assert len(calls) == 2 and run_dirs(workdir) == [str(workdir / "runs" / "tracked")]
+    for kw in calls:
+        assert kw["id"] == "tracked" and kw["resume"] == "allow" and kw["name"] == "tracked"
