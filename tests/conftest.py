@@ -4,12 +4,15 @@ The suite runs against any copy of the file: `python -m pytest tests --script PA
 (default: the repository's ppo_atari.py). Tests import it as `ppo_atari` and take sizes and
 metric names from it, so a fork fails only the tests that pin a setting it changed.
 """
+import functools
 import glob
 import importlib.util
 import os
 import subprocess
 import sys
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +43,7 @@ def pytest_configure(config):
     spec.loader.exec_module(module)
 
 
+@functools.cache
 def obs_shape():
     """The observation shape of the file under test (its wrappers decide it)."""
     import ppo_atari as P
@@ -49,18 +53,40 @@ def obs_shape():
     return shape
 
 
-def loss_metric_names():
-    """The names of the metrics the file's minibatch_loss returns (each logged as losses/NAME)."""
+class Truncating(gym.Env):
+    """Atari-shaped stand-in game (the file's observation shape, 4 actions): random frames,
+    reward 1 on action 0, truncated every 5 steps."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0, 255, obs_shape(), np.uint8)
+        self.action_space = gym.spaces.Discrete(4)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.integers(0, 255, self.observation_space.shape, dtype=np.uint8), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = self.np_random.integers(0, 255, self.observation_space.shape, dtype=np.uint8)
+        return obs, float(action == 0), False, self.t % 5 == 0, {}
+
+
+def random_minibatch(agent, n: int) -> dict:
+    """A minibatch dict as update() makes it, from random frames and the agent's own policy."""
     import torch
-    import ppo_atari as P
-    shape = obs_shape()
-    agent = P.Agent(shape, 4)
-    obs = torch.randint(0, 256, (8, *shape), dtype=torch.uint8)
+    obs = torch.randint(0, 256, (n, *obs_shape()), dtype=torch.uint8)
     with torch.no_grad():
         actions, logprobs, _, values = agent.get_action_and_value(obs)
-    mb = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(8),
-              returns=torch.randn(8), values=values)
-    return sorted(P.minibatch_loss(agent, mb, 0.1, P.Args())[1])
+    return dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(n),
+                returns=torch.randn(n), values=values)
+
+
+def loss_metric_names():
+    """The names of the metrics the file's minibatch_loss returns (each logged as losses/NAME)."""
+    import ppo_atari as P
+    agent = P.Agent(obs_shape(), 4)
+    return sorted(P.minibatch_loss(agent, random_minibatch(agent, 8), 0.1, P.Args())[1])
 
 
 def run_script(args, cwd, script=None, timeout=300, env=None):

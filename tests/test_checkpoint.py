@@ -263,19 +263,21 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
 
 
 def test_another_network_is_one_line_naming_both_shapes(trained, tmp_path):
-    """A fork with another network meets its own older checkpoint: one line, no traceback."""
+    """A checkpoint of another network (a fork's, or the file's before a fork changed a layer)
+    meets this one: one line naming the tensor and both shapes, no traceback."""
     cwd, run = trained
-    source = open(SCRIPT).read()
-    line = ("        self.network = nn.Sequential(*convs, layer_init(nn.Linear(n_flat, 512)), "
-            "nn.ReLU())\n")
-    assert source.count(line) == 1
-    (tmp_path / "ppo_atari.py").write_text(source.replace(line, line.replace("512", "256")))
-    out = run_script(["--resume", run, "--total-timesteps", "256", "--no-cuda"], cwd=cwd,
-                     script=str(tmp_path / "ppo_atari.py"))
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    (message,) = out.stderr.splitlines()
-    assert "does not fit this network: network.7.weight is (512, 3136) in the checkpoint" in message
-    assert "and (256, 3136) here" in message
+    state = P.load_checkpoint(run)
+    name, tensor = next(iter(state["model"].items()))  # the network's first tensor, whatever it is
+    state["model"][name] = torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])
+    torch.save(state, tmp_path / "other_network.pt")
+    for flags in (["--resume", "other_network.pt", "--total-timesteps", "256"],
+                  ["--eval-checkpoint", "other_network.pt"]):
+        out = run_script([*flags, "--no-cuda"], cwd=tmp_path)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        (message,) = out.stderr.splitlines()
+        theirs, mine = (tensor.shape[0] + 1, *tensor.shape[1:]), tuple(tensor.shape)
+        assert f"does not fit this network: {name} is {theirs} in the checkpoint" in message
+        assert f"and {mine} here" in message
 
 
 def test_evaluation_plays_full_games_and_logs_them(trained):

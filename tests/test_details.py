@@ -4,13 +4,12 @@ training loop feeds them. tests/mutate.py breaks each detail and checks that a t
 import math
 
 import gymnasium as gym
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import obs_shape
+from conftest import Truncating, obs_shape, random_minibatch
 
 OBS = obs_shape()
 
@@ -30,6 +29,21 @@ def test_loss_is_pg_minus_entropy_bonus_plus_weighted_value_loss():
         expected = m["policy_loss"] - ent_coef * m["entropy"] + vf_coef * m["value_loss"]
         torch.testing.assert_close(loss, expected, msg="the loss of record is pg_loss - "
                                    "ent_coef * entropy + vf_coef * v_loss (CleanRL, baselines)")
+
+
+def test_the_minibatch_loss_is_the_ppo_loss_of_record():
+    """Pins the published objective at the level the update uses: minibatch_loss is exactly
+    pg_loss - ent_coef * entropy + vf_coef * v_loss, with no other term (a fork that adds an
+    auxiliary loss fails here, and only here)."""
+    torch.manual_seed(0)
+    agent = P.Agent(OBS, 4)
+    mb = random_minibatch(agent, 16)
+    mb["logprobs"] = mb["logprobs"] + 0.1 * torch.randn(16)  # ratios away from 1
+    args = P.Args()
+    loss, m = P.minibatch_loss(agent, mb, 0.1, args)
+    expected = m["policy_loss"] - args.ent_coef * m["entropy"] + args.vf_coef * m["value_loss"]
+    torch.testing.assert_close(loss, expected, msg="the loss of record is pg_loss - ent_coef * "
+                               "entropy + vf_coef * v_loss; this file's minibatch_loss differs")
 
 
 def test_the_entropy_term_pushes_towards_more_entropy():
@@ -122,24 +136,6 @@ def test_observations_are_scaled_to_unit_range():
     hidden = agent.network(obs.float() / 255.0)
     torch.testing.assert_close(value, agent.critic(hidden).squeeze(-1))
     torch.testing.assert_close(logits, agent.actor(hidden))
-
-
-class Truncating(gym.Env):
-    """Atari-shaped stand-in: random frames, reward 1 on action 0, truncated every 5 steps."""
-
-    def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
-        self.action_space = gym.spaces.Discrete(4)
-
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self.np_random.integers(0, 255, OBS, dtype=np.uint8), {}
-
-    def step(self, action):
-        self.t += 1
-        obs = self.np_random.integers(0, 255, OBS, dtype=np.uint8)
-        return obs, float(action == 0), False, self.t % 5 == 0, {}
 
 
 @pytest.fixture(scope="module")

@@ -5,31 +5,13 @@ import sys
 import types
 
 import gymnasium as gym
-import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
 import ppo_atari as P
-from conftest import obs_shape, run_dirs
+from conftest import Truncating, obs_shape, run_dirs
 
 OBS = obs_shape()
-
-
-class Blank(gym.Env):
-    """Atari-shaped stand-in: zero frames, reward 1, an episode ends every 3 steps."""
-
-    def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
-        self.action_space = gym.spaces.Discrete(4)
-
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return np.zeros(OBS, np.uint8), {}
-
-    def step(self, action):
-        self.t += 1
-        return np.zeros(OBS, np.uint8), 1.0, self.t % 3 == 0, False, {}
 
 
 class CountMoves(TorchFunctionMode):
@@ -53,12 +35,12 @@ def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
     assert storage["obs"].device.type == "meta" and storage["values"].device.type == "meta"
 
     storage = P.make_storage(OBS, 6, 2, torch.device("cpu"))
-    envs = gym.vector.SyncVectorEnv([Blank, Blank],
+    envs = gym.vector.SyncVectorEnv([Truncating, Truncating],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     staging = torch.zeros((2, *OBS), dtype=torch.uint8)
     next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=0)[0]))
 
-    def policy(obs):  # no tensor moves of its own
+    def policy(obs):  # no tensor moves of its own; action 0 scores 1
         n = obs.shape[0]
         return torch.zeros(n, dtype=torch.long), torch.zeros(n), torch.zeros(n), torch.zeros(n)
 
@@ -68,7 +50,7 @@ def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
     # per step: the observation into staging, and staging to the device; nothing else
     assert counter.moves == 2 * 6, f"{counter.moves} moves in 6 steps"
     assert torch.equal(storage["rewards"], torch.ones(6, 2))
-    assert torch.equal(storage["dones"][:, 0], torch.tensor([0.0, 0, 1, 0, 0, 1]))
+    assert torch.equal(storage["dones"][:, 0], torch.tensor([0.0, 0, 0, 0, 1, 0]))
 
 
 def test_heads_compute_in_float32_under_bf16_autocast():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import obs_shape
+from conftest import obs_shape, random_minibatch
 
 OBS = obs_shape()
 
@@ -66,12 +66,7 @@ def test_matches_reference_on_random_rollouts(seed):
 def test_first_minibatch_has_ratio_one_no_clipping_no_kl():
     torch.manual_seed(0)
     agent = P.Agent(OBS, 4)
-    obs = torch.randint(0, 256, (32, *OBS), dtype=torch.uint8)
-    with torch.no_grad():
-        actions, logprobs, _, values = agent.get_action_and_value(obs)
-    mb = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(32),
-              returns=torch.randn(32), values=values)
-    loss, m = P.minibatch_loss(agent, mb, torch.tensor(0.1), P.Args())
+    loss, m = P.minibatch_loss(agent, random_minibatch(agent, 32), torch.tensor(0.1), P.Args())
     m = {k: v.item() for k, v in m.items()}
     assert abs(m["old_approx_kl"]) < 1e-6 and abs(m["approx_kl"]) < 1e-6
     assert m["clipfrac"] == 0.0 and m["value_clipfrac"] == 0.0
