@@ -132,7 +132,8 @@ def bound_worker(name, num_envs, device, out):
                 action = act(obs[step])[0]
             action.cpu()
         t1 = time.time()
-        batch = dict(obs=obs.reshape(-1, *OBS), actions=torch.randint(0, 4, (T * N,), device=device),
+        batch = dict(obs=obs.reshape(-1, *OBS),
+                     actions=torch.randint(0, 4, (T * N,), device=device),
                      **{k: torch.randn(T * N, device=device)
                         for k in ("logprobs", "advantages", "returns", "values")})
         mb_size = T * N // args.num_minibatches

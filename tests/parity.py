@@ -5,8 +5,9 @@
 
 Runs ppo_atari.py on Breakout for each configuration and seed (`--jobs` at a time, threads split
 between them; with --plan, planned for that many steps and stopped at --steps with
---stop-at-step, so the learning rate anneals over the plan), then prints each run's final charts/avg_episodic_return (mean of the last 100
-games) and, per configuration, the mean and the spread over seeds. Runs are kept under --out, and
+--stop-at-step, so the learning rate anneals over the plan), then prints each run's final
+charts/avg_episodic_return (mean of the last 100 games) and, per configuration, the mean and
+the spread over seeds. Runs are kept under --out, and
 a finished run already there is reused instead of run again.
 
 The last column is each run's highest losses/explained_variance averaged over a window of 75k

@@ -104,7 +104,8 @@ def test_value_loss_is_half_the_clipped_squared_error():
     assert math.isclose(m["value_loss"].item(), expected, rel_tol=1e-6)
     _, plain = P.ppo_loss(zero, zero, newvalue, zero, zero, returns, values, 0.2,
                           clip_vloss=False)
-    assert math.isclose(plain["value_loss"].item(), 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2, rel_tol=1e-6)
+    assert math.isclose(plain["value_loss"].item(), 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2,
+                        rel_tol=1e-6)
 
 
 def singular_values(layer):
