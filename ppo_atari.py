@@ -124,7 +124,7 @@ class Args:
     """write checkpoint.pt every this many iterations (and at the end)"""
     resume: str | None = None
     """a run folder or checkpoint file to continue from; it may change only --total-timesteps,
-    --checkpoint-interval, --cuda, --compile, --env-backend and the logging options"""
+    --checkpoint-interval, --cuda, --compile, --env-backend, --threads and the logging options"""
     eval_checkpoint: str | None = None
     """score this saved agent (agent.pt or checkpoint.pt) instead of training"""
     eval_episodes: int = 10
