@@ -73,7 +73,7 @@ def main():
         ax.set_ylabel("average return of the last 100 games")
         ax.set_xlim(0, 2_100_000)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="best")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     fig.tight_layout()
     fig.savefig(a.out)
