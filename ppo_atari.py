@@ -892,8 +892,8 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
     try:
         if rank == 0:
             box = [resolve_run(args, explicit, world_size)]
-    except SystemExit as e:  # the other ranks exit with the same code; rank 0 said why
-        box = [e.code]
+    except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
+        box = [e.code if isinstance(e, SystemExit) else 1]
         raise
     finally:
         dist.broadcast_object_list(box, src=0)
