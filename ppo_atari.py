@@ -46,9 +46,8 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every
 @dataclass
 class Args:
     """PPO on Atari (one file, CleanRL style). Each run writes TensorBoard logs, checkpoint.pt and
-    agent.pt to runs/<run>/ (see --run-name). Train: python ppo_atari.py --env-id
-    BreakoutNoFrameskip-v4. Continue a stopped run: python ppo_atari.py --resume runs/<run>. Score
-    a saved agent: python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt."""
+    agent.pt to runs/<run>/ (see --run-name); continue a stopped run with --resume runs/<run>;
+    score a saved agent with --eval-checkpoint runs/<run>/agent.pt."""
 
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run folder's name)"""
@@ -133,12 +132,12 @@ class Args:
     """torchrun: seconds a rendezvous or collective may wait for the other processes, then fail"""
 
 
-# May differ from the checkpoint's when resuming: they change neither the network, the game nor
-# the optimisation already done. The last line: this launch's own, never taken from a checkpoint.
-RESUME_OVERRIDABLE = {"total_timesteps", "checkpoint_interval", "track", "wandb_project_name",
-                      "wandb_entity", "capture_video", "compile", "env_backend", "run_name",
-                      "dist_timeout", "resume", "stop_at_step", "cuda", "threads"}
+# Fields a resume may change: they change neither the network, the game nor the optimisation
+# done so far. LAUNCH_ONLY: this launch's own, never taken from a checkpoint.
 LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
+RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
+                                    "wandb_project_name", "wandb_entity", "capture_video",
+                                    "compile", "env_backend", "run_name", "dist_timeout"}
 
 
 def fail(message: str, code: int = 2):
@@ -154,23 +153,15 @@ def explicit_fields(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no_") and n[3:] in fields else n for n in names} & fields
 
 
-def given_fields(args: Args) -> set[str]:
-    """main(Args(...)) called from Python: the fields that differ from their defaults."""
-    return {f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(
-        Args(), f.name)}
-
-
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
                  "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
-                 "threads"):
+                 "threads", "learning_rate", "clip_coef"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    for name in ("learning_rate", "clip_coef"):
-        if not getattr(args, name) > 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if value is not None and not value > 0:
+            kind = "positive" if isinstance(value, float) else "a positive integer"
+            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     batch = args.num_envs * args.num_steps
     if batch % args.num_minibatches:
         fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of --num-envs "
@@ -181,25 +172,22 @@ def check_args(args: Args, world_size: int = 1):
     check_env_id(args.env_id)
 
 
-def game_of(env_id: str) -> str:
-    """'ALE/Pong-v5', 'PongNoFrameskip-v4', 'pong' -> 'pong'."""
-    name = env_id.removeprefix("ALE/").split("-")[0]
-    return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
-
-
 def check_env_id(env_id: str):
-    """Only ALE image environments fit the wrappers and the CNN, and only the ids whose settings
-    the trainer keeps: NoFrameskip-v4 (no sticky actions) and ALE/...-v5 (sticky actions 0.25).
-    Plain -v4 ids skip a random 2-4 frames and -v0 ids have sticky actions: both are refused.
-    An unknown id is matched on its game's name: GameNoFrameskip-v4 first, else ALE/Game-v5."""
+    """Only ALE image ids whose settings the trainer keeps: NoFrameskip-v4 (no sticky actions)
+    and ALE/...-v5 (sticky actions 0.25); plain -v4 (a random 2-4 frame skip) and -v0 (sticky
+    actions) are refused. An unknown id is matched on its game: Game-NoFrameskip-v4, else -v5."""
+    def game(name):  # 'ALE/Pong-v5', 'PongNoFrameskip-v4', 'PongDeterministic-v4' -> 'pong'
+        name = name.removeprefix("ALE/").split("-")[0]
+        return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
+
     def wanted(name):
         return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
 
     if env_id not in gym.registry:
-        ids = {}  # game name -> its recommended id
+        ids = {}  # game -> its recommended id, NoFrameskip-v4 first
         for name in sorted(filter(wanted, gym.registry), key=lambda n: n.startswith("ALE/")):
-            ids.setdefault(game_of(name), name)
-        close = difflib.get_close_matches(game_of(env_id), list(ids), 2, 0.75)
+            ids.setdefault(game(name), name)
+        close = difflib.get_close_matches(game(env_id), list(ids), 2, 0.75)
         hint = f"did you mean {' or '.join(ids[g] for g in close)}?" if close else \
             "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
         fail(f"unknown --env-id {env_id!r}; {hint}")
@@ -209,14 +197,13 @@ def check_env_id(env_id: str):
         fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
              f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
     if not wanted(env_id):
-        game = env_id.split("-")[0].removesuffix("NoFrameskip")
+        name = env_id.split("-")[0].removesuffix("NoFrameskip")
         what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
         what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
-        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {game}NoFrameskip-v4 "
-             f"(the published setting) or ALE/{game}-v5 (sticky actions)")
+        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {name}NoFrameskip-v4 "
+             f"(the published setting) or ALE/{name}-v5 (sticky actions)")
 
 
-# ---------------------------------------------------------------------------------------------
 # Atari wrappers, innermost first (semantics of openai/baselines atari_wrappers.py and SB3)
 
 
@@ -238,17 +225,16 @@ class VideoRecorder(gym.Wrapper):
             self.path = os.path.join(self.folder, f"game-{k}.mp4")
             self.writer = cv2.VideoWriter(self.path, cv2.VideoWriter_fourcc(*"mp4v"), 60,
                                           (obs.shape[1], obs.shape[0]))
-        self._write(obs)
-        return obs, info
+        return self._write(obs), info
 
     def step(self, action):
-        result = self.env.step(action)
-        self._write(result[0])
-        return result
+        obs, *rest = self.env.step(action)
+        return self._write(obs), *rest
 
     def _write(self, frame):
         if self.writer is not None:
             self.writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        return frame
 
     def _finish(self, complete: bool):
         if self.writer is not None:
@@ -346,7 +332,7 @@ class ClipReward(gym.RewardWrapper):
 
 
 class GrayResize(gym.ObservationWrapper):
-    """RGB (210, 160, 3) -> grayscale (84, 84) uint8, resized with area interpolation."""
+    """RGB (210, 160, 3) -> grayscale (size, size) uint8, resized with area interpolation."""
 
     def __init__(self, env, size: int = 84):
         super().__init__(env)
@@ -361,14 +347,13 @@ class GrayResize(gym.ObservationWrapper):
 def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game=False,
              trainer_pid: int | None = None):
     """A thunk for the vector env: one Atari game with the wrappers of record. Observations
-    (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over. trainer_pid
-    (async): called in any other process, the thunk is building an env worker."""
+    (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
-        if trainer_pid not in (None, os.getpid()):  # Ctrl-C and SIGTERM (SLURM) reach every
-            # process: the trainer finishes its
-            # iteration and checkpoints, so a worker ignores both and serves it until it
-            # closes the envs, or dies (the worker's pipe closes and it exits)
+        if trainer_pid not in (None, os.getpid()):  # an async worker (gymnasium also calls one
+            # thunk in the trainer, for the spaces). Ctrl-C and SIGTERM (SLURM) reach every
+            # process; the trainer finishes its iteration, checkpoints and closes the envs, so a
+            # worker ignores both (and exits when the trainer dies: its pipe closes)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
@@ -412,9 +397,8 @@ def usable_cores() -> int:
 
 
 def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
-    """--env-backend auto: a process per env (async) pays off only when the network does not
-    need the cores, on CUDA with 4 or more cores per process; on a CPU the envs and the network
-    take turns on the same cores and sync is faster."""
+    """auto: a process per env (async) pays off only on CUDA with 4 or more cores per process;
+    on a CPU the envs and the network take turns on the same cores and sync is faster."""
     if args.env_backend != "auto":
         return args.env_backend
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
@@ -429,7 +413,6 @@ def finished_games(infos: dict) -> list[tuple[float, int]]:
     return [(float(r), int(n)) for r, n in zip(episode["r"][ended], episode["l"][ended])]
 
 
-# ---------------------------------------------------------------------------------------------
 # Network
 
 
@@ -466,9 +449,9 @@ class Agent(nn.Module):
             return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
     def get_action_and_value(self, obs, action=None):
-        """CleanRL's interface: (action, log-probability, entropy, value), each (B,); samples the
-        action when none is given. The one place the policy's distribution is written, as
-        log_softmax + multinomial (no torch.distributions.Categorical object)."""
+        """CleanRL's interface: (action, log-probability, entropy, value), each (B,), sampling
+        the action when none is given. The one place the policy's distribution is written
+        (log_softmax + multinomial: no torch.distributions.Categorical object)."""
         logits, value = self(obs)
         logp_all = torch.log_softmax(logits, dim=-1)
         if action is None:
@@ -478,15 +461,13 @@ class Agent(nn.Module):
         return action, logprob, entropy, value
 
 
-# ---------------------------------------------------------------------------------------------
 # Pure helpers: advantages, loss, checkpoint I/O
 
 
 def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation (Schulman et al. 2016), cut at every done.
-    rewards, values, dones: (T, N); dones[t] = 1 when the episode ended with step t's action;
-    next_value (N,): the value of the observation after the last step. Returns (advantages,
-    returns), returns = advantages + values (the value targets)."""
+    """Generalized advantage estimation (Schulman et al. 2016), cut at every done. rewards,
+    values, dones (T, N), dones[t] = 1 when the episode ended with step t's action; next_value
+    (N,) the value after the last step. Returns advantages and returns (the value targets)."""
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[0])):
@@ -500,9 +481,8 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
 
 def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, clip_coef,
              norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5):
-    """The PPO objective on one minibatch (all tensors (B,); clip_coef a float or 0-d tensor).
-    Returns the loss to minimise and its metrics: a dict of detached 0-d tensors, each logged as
-    losses/<name> (the mean over the iteration's minibatches and ranks)."""
+    """The PPO objective on one minibatch (tensors (B,); clip_coef a float or 0-d tensor): the
+    loss to minimise and its metrics, detached 0-d tensors each logged as losses/<name>."""
     logratio = newlogprob - logprob
     ratio = logratio.exp()
     if norm_adv:
@@ -535,24 +515,19 @@ def minibatch_loss(agent, mb: dict, clip_coef, args: Args):
 
 
 def save_checkpoint(path: str, state: dict):
-    """Atomic: write a temporary file, flush it to disk, then rename over the old file, so a
-    crash at any point leaves either the old or the new file, both complete."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    """Atomic: a temporary file, flushed to disk, then renamed over the old one, so that a crash
+    at any point leaves either the old or the new file, both complete."""
+    with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def checkpoint_file(path: str) -> str:
-    """A run folder stands for its checkpoint.pt."""
-    return os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    os.replace(path + ".tmp", path)
 
 
 def load_checkpoint(path: str) -> dict:
-    """weights_only=True: tensors and plain types only, so a crafted pickle cannot run code."""
-    path = checkpoint_file(path)
+    """A checkpoint file, or a run folder's checkpoint.pt, with "run_dir" (its folder) added.
+    weights_only=True: tensors and plain types only, so a crafted pickle cannot run code."""
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}; pass a run folder or a .pt file written by this script")
     try:
@@ -562,7 +537,7 @@ def load_checkpoint(path: str) -> dict:
         fail(f"cannot load {path} as a safe checkpoint ({first[:160]})")
     if not isinstance(state, dict) or not {"model", "args"} <= set(state):
         fail(f"{path} is not a checkpoint of this script (no model and args in it)")
-    return state
+    return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
 
 
 def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
@@ -570,19 +545,12 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     game's action set, network or frame size), whatever the network's attribute names."""
     own, saved = agent.state_dict(), state["model"]
     for name in [*own, *(k for k in saved if k not in own)]:
-        mine, theirs = [None if t is None else tuple(t.shape) for t in (own.get(name),
-                                                                         saved.get(name))]
+        mine, theirs = (tuple(d[name].shape) if name in d else None for d in (own, saved))
         if mine != theirs:
             fail(f"{path} does not fit this network: {name} is {theirs or 'missing'} in the "
                  f"checkpoint ({state['args'].get('env_id')}) and {mine or 'missing'} here "
                  f"({env_id}): another game's action set, network or frame size")
     agent.load_state_dict(saved)
-
-
-def shown_path(path: str) -> str:
-    """A path as printed: relative to the working directory when inside it, else absolute."""
-    rel = os.path.relpath(path)
-    return os.path.abspath(path) if rel.startswith("..") else rel
 
 
 def rng_state() -> dict:
@@ -600,26 +568,26 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state(cuda)  # the current device, the one this process trains on
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation of a saved agent
+def shown_path(path: str) -> str:
+    """A path as printed: relative to the working directory when inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
 
 
 def evaluate(args: Args, device: torch.device, explicit: set[str]):
     """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
     path = args.eval_checkpoint
     state = load_checkpoint(path)
-    saved = state["args"]
-    if "env_id" in explicit and args.env_id != saved["env_id"]:
-        fail(f"{path} was trained on {saved['env_id']}, not {args.env_id}; drop --env-id")
-    run_dir = os.path.dirname(os.path.abspath(checkpoint_file(path)))
-    eval_args = dataclasses.replace(args, env_id=saved["env_id"], num_envs=1, env_backend="sync")
+    env_id, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
+    if "env_id" in explicit and args.env_id != env_id:
+        fail(f"{path} was trained on {env_id}, not {args.env_id}; drop --env-id")
     video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
+    eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
     envs = make_envs(eval_args, args.seed, video, every_game=True)
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
-    load_agent(agent, state, path, saved["env_id"])
+    load_agent(agent, state, path, env_id)
     # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
-    step = state.get("global_step", 0)
     events = os.path.join(run_dir, "eval", f"step{step}-seed{args.seed}-{int(time.time())}")
     print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
                                                          if video else ""), flush=True)
@@ -637,16 +605,15 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
     envs.close()
     writer.close()
-    print(f"{saved['env_id']}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
+    print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
           f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
 
 
-# ---------------------------------------------------------------------------------------------
 # The phases of an iteration: rollout, make_batch (advantages), update, summarize, log_iteration
 
 
 def make_storage(obs_shape: tuple, num_steps: int, num_envs: int, device) -> dict:
-    """Rollout storage, (T, N, ...) = (num_steps, num_envs, ...), allocated once. The network's
+    """Rollout storage (T, N, ...) = (num_steps, num_envs, ...), allocated once. The network's
     inputs and outputs live on the training device; rewards and dones stay on the host, where the
     envs return them, and GAE runs there: on a GPU its ~900 tiny kernels cost more than a copy."""
     T, N = num_steps, num_envs
@@ -739,9 +706,8 @@ def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Ar
 def summarize(agent, totals: dict, n_minibatches: int, batch: dict, stop: list, games: list,
               world_size: int):
     """The iteration's scalars, averaged over ranks, in one host sync: losses/<name> (the mean
-    over minibatches) for each metric of the loss, the batch's explained variance, and the flags
-    `finite` (1.0: every parameter is finite) and `stop` (> 0: a rank was signalled). Returns
-    them and the finished games of every rank."""
+    over minibatches), the explained variance, and the flags `finite` (1.0: all parameters are
+    finite) and `stop` (> 0: a rank was signalled). Returns them and every rank's games."""
     stats = {f"losses/{name}": total / n_minibatches for name, total in totals.items()}
     y_pred, y_true = batch["values"], batch["returns"]
     stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
@@ -759,8 +725,8 @@ def summarize(agent, totals: dict, n_minibatches: int, batch: dict, stop: list, 
 
 def log_iteration(writer, stats: dict, games: list, recent, global_step: int, total: int,
                   show: bool):
-    """Every finished game, the mean of the last 100, and each charts/ and losses/ entry; with
-    show, a progress line (in place on a terminal)."""
+    """Every finished game, the mean of the last 100, each charts/ and losses/ entry; with show,
+    a progress line (in place on a terminal)."""
     for step_done, score, length in games:
         writer.add_scalar("charts/episodic_return", score, step_done)
         writer.add_scalar("charts/episodic_length", length, step_done)
@@ -778,8 +744,7 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
         print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Setup: threads, the process group, the run to start or continue, signals, checkpoints
+# Setup: device and threads, the process group, the run to start or continue, signals, saving
 
 
 def choose_device(args: Args, local_rank: int, local_processes: int):
@@ -807,49 +772,34 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
                             rank=rank, world_size=world_size, timeout=timeout)
 
 
-def run_folder_started(name: str) -> bool:
-    """--run-name: True when runs/NAME holds a checkpoint to continue (every run writes one
-    before anything else); a folder with other files in it belongs to something else."""
-    if not name or name.startswith(".") or "/" in name or os.sep in name:
-        fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
-    folder = os.path.join("runs", name)
-    if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
-        return True
-    if os.path.isdir(folder) and os.listdir(folder):
-        fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script to "
-             f"continue; pick another --run-name or remove the folder")
-    return False
-
-
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
-    """Checks a checkpoint against this launch, says what resuming does, and returns True when
-    there is nothing to train: the run has reached --total-timesteps or --stop-at-step."""
+    """Checks a checkpoint against this launch and says what resuming does; True: there is
+    nothing to train (the run has reached --total-timesteps or --stop-at-step)."""
     done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
     if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
-        written_by = step // (done * local_batch)
-        fail(f"{args.resume} was written by {written_by} process(es) and this launch has "
-             f"{world_size}; continue it with {written_by} processes (torchrun --nproc_per_node)")
-    where = shown_path(os.path.dirname(os.path.abspath(checkpoint_file(args.resume))))
-    num_iterations = args.total_timesteps // (local_batch * world_size)
-    if done >= num_iterations:
+        n = step // (done * local_batch)
+        fail(f"{args.resume} was written by {n} process(es) and this launch has {world_size}; "
+             f"continue it with {n} processes (torchrun --nproc_per_node)")
+    where, batch = shown_path(ckpt["run_dir"]), local_batch * world_size
+    iterations = args.total_timesteps // batch
+    if done >= iterations:
         print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
               f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
               f"--total-timesteps", flush=True)
         return True
     if args.stop_at_step and step >= args.stop_at_step:
-        print(f"{where} has run {step:,} steps, already past --stop-at-step "
-              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
-              f"continue to {args.total_timesteps:,}", flush=True)
+        print(f"{where} has run {step:,} steps, already past --stop-at-step {args.stop_at_step:,}; "
+              f"nothing written. Drop --stop-at-step (or raise it) to continue to "
+              f"{args.total_timesteps:,}", flush=True)
         return True
-    lr_old = (1.0 - done / (saved.total_timesteps // (local_batch * world_size))) * \
-        args.learning_rate
-    lr_new = (1.0 - done / num_iterations) * args.learning_rate
+    lr_old, lr_new = ((1.0 - done / (total // batch)) * args.learning_rate
+                      for total in (saved.total_timesteps, args.total_timesteps))
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-            f"({num_iterations - done} iterations left)")
+            f"({iterations - done} iterations left)")
     if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
         line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
-                 f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over "
-                 f"the new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
+                 f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over the "
+                 f"new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
     elif args.anneal_lr:
         line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
     print(line, flush=True)
@@ -857,11 +807,19 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
 
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """A new run: (args, None). A run to continue (--resume, or --run-name with a checkpoint):
-    the checkpoint's arguments with the overrides given now, and the checkpoint. Nothing to
-    train: (None, None)."""
-    if args.resume is None and args.run_name is not None and run_folder_started(args.run_name):
-        args = dataclasses.replace(args, resume=os.path.join("runs", args.run_name))
+    """A new run: (args, None). A run to continue (--resume, or a --run-name folder holding a
+    checkpoint): the checkpoint's arguments with this launch's overrides, and the checkpoint.
+    Nothing to train (complete, or past --stop-at-step): (None, None)."""
+    name = args.run_name
+    if args.resume is None and name is not None:  # every run writes its checkpoint first
+        folder = os.path.join("runs", name)
+        if not name or name.startswith(".") or "/" in name or os.sep in name:
+            fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
+        if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+            args = dataclasses.replace(args, resume=folder)
+        elif os.path.isdir(folder) and os.listdir(folder):
+            fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
+                 f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
         check_args(args, world_size)
         return args, None
@@ -994,7 +952,9 @@ def close(envs, writer, old_handlers=()):
 
 
 def main(args: Args, explicit: set[str] | None = None):
-    explicit = given_fields(args) if explicit is None else explicit
+    if explicit is None:  # main(Args(...)) from Python: the fields that differ from defaults
+        explicit = {f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(
+            Args(), f.name)}
     # distributed: inert without torchrun (or a launcher) setting the variables read here
     rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
         ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
@@ -1026,9 +986,8 @@ def main(args: Args, explicit: set[str] | None = None):
             print(f"device: {device}{why}", flush=True)
             evaluate(args, device, explicit)
         return None
-    run_dir = os.path.join("runs", args.run_name or f"{args.env_id.replace('/', '-')}__"
-                           f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_dir = os.path.dirname(os.path.abspath(checkpoint_file(args.resume))) if ckpt else run_dir
+    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
+        f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
     envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
