@@ -9,13 +9,14 @@ details of record (openai/baselines ppo2, CleanRL), resumable, and runnable unde
 
 Top to bottom: Args, the Atari wrappers, the network, pure helpers (GAE, loss, checkpoints), the
 phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, main.
-Tested with Python 3.11, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0.
+Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0.
 """
 import atexit
 import collections
 import dataclasses
 import datetime
 import difflib
+import gc
 import importlib.util
 import os
 import random
@@ -947,6 +948,9 @@ def close(envs, writer, old_handlers=()):
         writer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+        # free the group now if a reference cycle holds it: freed at interpreter exit, gloo's
+        # workers drop tensors with no GIL to take and the process aborts (exit code -6)
+        gc.collect()
     for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
         signal.signal(s, handler)
 
