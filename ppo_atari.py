@@ -388,8 +388,15 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
         envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
         # the workers ignore SIGTERM (see make_env), so a trainer that crashes kills them itself
         atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
-        return envs
-    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
+    else:
+        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
+    shape = envs.single_observation_space.shape
+    if len(shape) != 3:  # storage and the network take (C, H, W) frames, channels first
+        envs.close()
+        fail(f"the env's observations are {shape}, not (C, H, W): a stack of colour frames "
+             f"(4, H, W, 3) must be reshaped to (12, H, W) in make_env before it reaches the "
+             f"network")
+    return envs
 
 
 def usable_cores() -> int:
@@ -424,8 +431,12 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. Another network
-    is another Agent: the rest of the file uses only forward(obs) -> (logits, value)."""
+    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. Another
+    feed-forward network is another Agent: the rest of the file uses only forward(obs) ->
+    (logits, value) and get_action_and_value. A recurrent policy changes more than the Agent:
+    rollout (carry the state, reset it where an episode starts: see make_storage's dones),
+    make_batch (the state of the rollout's first step), update (minibatches of whole envs, in
+    time order) and evaluate (the state across a game)."""
 
     def __init__(self, obs_shape: tuple, n_actions: int):
         super().__init__()
@@ -483,9 +494,12 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
 def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, clip_coef,
              norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5):
     """The PPO objective on one minibatch (tensors (B,); clip_coef a float or 0-d tensor): the
-    loss to minimise and its metrics, detached 0-d tensors each logged as losses/<name>."""
+    loss to minimise and its metrics, detached 0-d tensors each logged as losses/<name>. Every
+    term below keeps its gradient (approx_kl too: a KL penalty is `+ kl_coef * approx_kl` in
+    the loss line); only the returned metrics are detached copies."""
     logratio = newlogprob - logprob
     ratio = logratio.exp()
+    approx_kl = ((ratio - 1) - logratio).mean()  # http://joschu.net/blog/kl-approx.html
     if norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = torch.max(-advantages * ratio,
@@ -497,18 +511,18 @@ def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss
-    with torch.no_grad():  # http://joschu.net/blog/kl-approx.html
+    with torch.no_grad():
         metrics = {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": entropy_loss,
-                   "old_approx_kl": (-logratio).mean(),
-                   "approx_kl": ((ratio - 1) - logratio).mean(),
+                   "old_approx_kl": (-logratio).mean(), "approx_kl": approx_kl,
                    "clipfrac": ((ratio - 1.0).abs() > clip_coef).float().mean(),
                    "value_clipfrac": ((newvalue - values).abs() > clip_coef).float().mean()}
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def minibatch_loss(agent, mb: dict, clip_coef, args: Args):
+def minibatch_loss(agent, mb: dict, clip_coef, args: Args, carry: dict):
     """Forward pass on one minibatch (a dict of (B, ...) tensors: obs, actions, logprobs,
-    advantages, returns, values), then ppo_loss. A new loss term and its metric go here."""
+    advantages, returns, values), then ppo_loss. A new loss term and its metric go here; carry
+    is main's dict of the fork's own state (a penalty coefficient: carry["kl_coef"])."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"], mb["actions"])
     return ppo_loss(newlogprob, entropy, newvalue, mb["logprobs"], mb["advantages"],
                     mb["returns"], mb["values"], clip_coef, args.norm_adv, args.clip_vloss,
@@ -623,7 +637,11 @@ def make_storage(obs_shape: tuple, num_steps: int, num_envs: int, device) -> dic
             "logprobs": torch.zeros((T, N), device=device),  # float32
             "values": torch.zeros((T, N), device=device),  # float32
             "rewards": torch.zeros((T, N)),  # host, clipped, float32
-            "dones": torch.zeros((T, N))}  # host, 1.0: the episode ended with step t's action
+            # host; 1.0: the episode ended with step t's action (terminated or truncated), so
+            # obs[t + 1] starts a new one. CleanRL's dones[t] is the flag one step later ("obs[t]
+            # starts an episode"): a recurrent policy resets its state before obs[t] on
+            # dones[t - 1] (the previous rollout's last row for t = 0), not on dones[t]
+            "dones": torch.zeros((T, N))}
 
 
 def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_step: int,
@@ -674,9 +692,10 @@ def all_reduce_gradients(agent: nn.Module, world_size: int):
 
 
 def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
-           world_size: int):
+           world_size: int, carry: dict):
     """update_epochs passes over the batch in shuffled minibatches. Returns each metric summed
-    over the minibatches (0-d device tensors: no host sync) and the number of minibatches."""
+    over the minibatches (0-d device tensors: no host sync) and the number of minibatches;
+    grad_norm is the gradient's global norm before clipping."""
     local_batch = batch["obs"].shape[0]
     minibatch_size = local_batch // args.num_minibatches
     totals, n_minibatches = {}, 0
@@ -685,13 +704,14 @@ def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Ar
         for start in range(0, local_batch, minibatch_size):
             mb = {k: v[perm[start:start + minibatch_size]] for k, v in batch.items()}
             with autocast:
-                loss, metrics = loss_fn(agent, mb, clip_coef, args)
+                loss, metrics = loss_fn(agent, mb, clip_coef, args, carry)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if world_size > 1:
                 all_reduce_gradients(agent, world_size)
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
+            metrics = metrics | {"grad_norm": grad_norm}
             totals = {name: totals.get(name, 0) + value for name, value in metrics.items()}
             n_minibatches += 1
         if args.target_kl is not None:  # sync point, once per epoch and only with target_kl
@@ -918,11 +938,12 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, device_line: str, save
     return writer
 
 
-def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent):
+def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent,
+             carry: dict):
     save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
-        "rng": rng_state(), "recent_returns": list(recent)})
+        "rng": rng_state(), "recent_returns": list(recent), "carry": carry})
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool,
@@ -996,11 +1017,16 @@ def main(args: Args, explicit: set[str] | None = None):
     envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
     recent = collections.deque(ckpt["recent_returns"] if ckpt else [], maxlen=100)
+    # a fork's own state carried across iterations (a penalty coefficient, a running statistic;
+    # tensors and plain types): give it its first value here, and checkpoints save it and a
+    # resume restores it; update passes it to the loss
+    carry = ckpt.get("carry", {}) if ckpt else {}
     # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    save = lambda: save_run(run_dir, agent, optimizer, args, global_step, iteration, recent)  # noqa
+    save = lambda: save_run(run_dir, agent, optimizer, args, global_step, iteration, recent,  # noqa
+                            carry)
     writer = open_run(args, run_dir, ckpt, f"device: {device}{why}", save) if rank == 0 else None
 
     storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
@@ -1025,7 +1051,7 @@ def main(args: Args, explicit: set[str] | None = None):
         t1 = time.time()
         batch = make_batch(agent, storage, next_obs, autocast, args)
         totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
-                                       world_size)
+                                       world_size, carry)
         stats, games = summarize(agent, totals, n_minibatches, batch, stop, games, world_size)
         if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
             close(envs, writer)

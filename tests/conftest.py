@@ -1,13 +1,20 @@
-"""Shared helpers: the script under test, subprocess runs of it, and TensorBoard read-back.
+"""Shared helpers: the script under test, its seams, subprocess runs of it, TensorBoard read-back.
 
 The suite runs against any copy of the file: `python -m pytest tests --script PATH/ppo_atari.py`
 (default: the repository's ppo_atari.py). Tests import it as `ppo_atari` and take sizes and
 metric names from it, so a fork fails only the tests that pin a setting it changed.
+
+Each test reaches the file through a few seams (SEAMS below; tests/README.md lists them). A test
+first asks for the seams it needs with `need(...)`: where a copy changed a seam's interface, the
+test is skipped with one line saying what it needs and what the copy has, and the end of the run
+lists what could not be checked. Against the repository's own file a missing seam is a failure.
 """
 import functools
 import glob
 import importlib.util
+import inspect
 import os
+import socket
 import subprocess
 import sys
 
@@ -43,6 +50,10 @@ def pytest_configure(config):
     spec.loader.exec_module(module)
 
 
+def is_repository_file() -> bool:
+    return os.path.realpath(SCRIPT) == os.path.realpath(os.path.join(ROOT, "ppo_atari.py"))
+
+
 @functools.cache
 def obs_shape():
     """The observation shape of the file under test (its wrappers decide it)."""
@@ -51,6 +62,163 @@ def obs_shape():
     shape = env.observation_space.shape
     env.close()
     return shape
+
+
+def takes(function, *args, **kwargs) -> str | None:
+    """None if function can be called with these arguments, else what its signature is."""
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+        return None
+    except TypeError:
+        return f"this copy has {function.__qualname__}{inspect.signature(function)}"
+
+
+def _forward():
+    import torch
+    import ppo_atari as P
+    agent = P.Agent(obs_shape(), 4)
+    problem = takes(agent.forward, None)
+    if problem:
+        return problem
+    out = agent(torch.zeros(3, *obs_shape(), dtype=torch.uint8))
+    shapes = [tuple(t.shape) for t in out] if isinstance(out, tuple) else type(out).__name__
+    return None if shapes == [(3, 4), (3,)] else f"this copy's forward returns {shapes}"
+
+
+def _get_action_and_value():
+    import torch
+    import ppo_atari as P
+    agent = P.Agent(obs_shape(), 4)
+    problem = takes(agent.get_action_and_value, None) or takes(agent.get_action_and_value, None,
+                                                                 None)
+    if problem:
+        return problem
+    out = agent.get_action_and_value(torch.zeros(3, *obs_shape(), dtype=torch.uint8))
+    shapes = [tuple(t.shape) for t in out] if isinstance(out, tuple) else type(out).__name__
+    return None if shapes == [(3,)] * 4 else f"this copy's get_action_and_value returns {shapes}"
+
+
+def _frame_stack():
+    import ppo_atari as P
+    env, depth = P.make_env("BreakoutNoFrameskip-v4", seed=0)(), None
+    while depth is None and hasattr(env, "env"):
+        if isinstance(env, gym.wrappers.FrameStackObservation):
+            depth = env.stack_size
+        env = env.env
+    if depth is None:
+        return "this copy's make_env has no gym.wrappers.FrameStackObservation"
+    if obs_shape()[0] % depth:
+        return f"{obs_shape()[0]} channels do not split into {depth} frames"
+    return None
+
+
+def _function(name, *args, **kwargs):
+    def check():
+        import ppo_atari as P
+        function = getattr(P, name, None)
+        return f"this copy has no {name}" if function is None else takes(function, *args,
+                                                                           **kwargs)
+    return check
+
+
+def _classes(*names):
+    def check():
+        import ppo_atari as P
+        missing = [n for n in names if not isinstance(getattr(P, n, None), type)]
+        return f"this copy has no {', '.join(missing)}" if missing else None
+    return check
+
+
+def _heads():
+    import torch.nn as nn
+    import ppo_atari as P
+    agent = P.Agent(obs_shape(), 4)
+    missing = [n for n in ("network", "actor", "critic") if not isinstance(
+        getattr(agent, n, None), nn.Module)]
+    return f"this copy's Agent has no {', '.join(missing)}" if missing else None
+
+
+# name: (what a test needs, a check returning None or what this copy has instead)
+SEAMS = {
+    "env thunk": ("make_env(env_id, seed)() -> one Atari game, observations (C, H, W) uint8",
+                  _function("make_env", "BreakoutNoFrameskip-v4", 0)),
+    "vector env": ("make_envs(args, seed) -> the vector env over make_env's games",
+                   _function("make_envs", None, 0)),
+    "frame stack": ("make_env's stack: a gym.wrappers.FrameStackObservation of frames of C/depth "
+                    "channels each, concatenated on the channel axis", _frame_stack),
+    "wrappers": ("the wrapper classes NoopReset, MaxAndSkip, EpisodicLife, FireReset (each "
+                 "Wrapper(env))", _classes("NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset")),
+    "Agent.forward": ("Agent(obs_shape, n_actions).forward(obs) -> (logits (B, n), value (B,))",
+                      _forward),
+    "Agent.get_action_and_value": ("Agent.get_action_and_value(obs, action=None) -> (action, "
+                                   "logprob, entropy, value), each (B,)", _get_action_and_value),
+    "Agent heads": ("Agent.network (the trunk), Agent.actor and Agent.critic (the heads)",
+                    _heads),
+    "ppo_loss": ("ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, "
+                 "clip_coef, norm_adv=, clip_vloss=, ent_coef=, vf_coef=) -> (loss, metrics)",
+                 _function("ppo_loss", *[None] * 8, norm_adv=True, clip_vloss=True, ent_coef=0.0,
+                           vf_coef=0.0)),
+    "compute_gae": ("compute_gae(rewards, values, dones, next_value, gamma, gae_lambda) -> "
+                    "(advantages, returns)", _function("compute_gae", *[None] * 6)),
+    "rollout": ("rollout(policy, envs, next_obs, storage, staging, autocast, global_step, "
+                "steps_per_step) and make_storage(obs_shape, num_steps, num_envs, device)",
+                lambda: _function("rollout", *[None] * 8)() or
+                _function("make_storage", None, 1, 1, None)()),
+    "main": ("main(Args(...)) trains in-process, its envs from make_envs(args, seed, ...)",
+             lambda: _function("main", None)() or _function("make_envs", None, 0)()),
+    "checkpoint": ("load_checkpoint(path) -> the dict on disk (model, optimizer, args, "
+                   "global_step, iteration)", _function("load_checkpoint", "path")),
+}
+
+
+@functools.cache
+def seam_problem(name: str) -> str | None:
+    try:
+        return SEAMS[name][1]()
+    except Exception as e:  # the probe itself could not run on this copy
+        first = str(e).splitlines()[0][:120] if str(e) else ""
+        return f"this copy raised {type(e).__name__} ({first})"
+
+
+def need(*names: str, problem: str | None = None, what: str | None = None):
+    """Skips the calling test (fails it, on the repository's file) unless the copy has these
+    seams; `what` and `problem` name a test's own seam (a line of the file it edits)."""
+    for name in names:
+        if seam_problem(name):
+            what, problem = SEAMS[name][0], seam_problem(name)
+            break
+    if problem:
+        message = f"needs {what}; {problem}"
+        if is_repository_file():
+            pytest.fail(f"the repository's file lost a seam the tests use: {message}")
+        pytest.skip(message)
+
+
+def need_text(text: str, what: str):
+    """For tests that edit a copy of the file: the line they edit, exactly once."""
+    count = open(SCRIPT).read().count(text)
+    need(what=what, problem=None if count == 1 else f"this copy has it {count} times")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The end of the run: what could not be checked against this copy, and why."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason.startswith("needs "):
+            reasons.setdefault(reason, []).append(report.nodeid.split("::")[-1])
+    if reasons:
+        terminalreporter.section("not checked against this copy (its seams changed)")
+        for reason, tests in reasons.items():
+            terminalreporter.write_line(f"{len(tests)} test(s) {reason}: {', '.join(tests)}")
 
 
 class Truncating(gym.Env):
@@ -72,21 +240,108 @@ class Truncating(gym.Env):
         return obs, float(action == 0), False, self.t % 5 == 0, {}
 
 
-def random_minibatch(agent, n: int) -> dict:
-    """A minibatch dict as update() makes it, from random frames and the agent's own policy."""
+def reference_ppo_loss(newlogprob, entropy, newvalue, mb: dict, clip: float, args):
+    """PPO's loss of record (CleanRL, baselines ppo2), written here apart from the file: the
+    clipped surrogate, the clipped value error, the entropy bonus, with args' coefficients."""
     import torch
-    obs = torch.randint(0, 256, (n, *obs_shape()), dtype=torch.uint8)
-    with torch.no_grad():
-        actions, logprobs, _, values = agent.get_action_and_value(obs)
-    return dict(obs=obs, actions=actions, logprobs=logprobs, advantages=torch.randn(n),
-                returns=torch.randn(n), values=values)
+    ratio = torch.exp(newlogprob - mb["logprobs"])
+    adv = mb["advantages"]
+    if args.norm_adv:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    surrogate = torch.min(adv * ratio, adv * ratio.clamp(1 - clip, 1 + clip))
+    error = (newvalue - mb["returns"]) ** 2
+    if args.clip_vloss:
+        moved = mb["values"] + (newvalue - mb["values"]).clamp(-clip, clip)
+        error = torch.maximum(error, (moved - mb["returns"]) ** 2)
+    return -surrogate.mean() + args.vf_coef * 0.5 * error.mean() - args.ent_coef * entropy.mean()
 
 
-def loss_metric_names():
-    """The names of the metrics the file's minibatch_loss returns (each logged as losses/NAME)."""
+def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
+    """What a test needs of one call of the training loss, taken before the optimizer step."""
+    import torch
+    mb, agent, args, clip = (call.get(k) for k in ("mb", "agent", "args", "clip_coef"))
+    entry = {"loss": float(loss.detach()), "metrics": {k: float(v) for k, v in metrics.items()},
+             "lr": optimizer.param_groups[0]["lr"] if optimizer else None, "args": args,
+             "clip_coef": None if clip is None else float(clip),
+             "actions": mb["actions"].flatten().clone() if isinstance(mb, dict) else None}
+    if isinstance(mb, dict) and agent is not None and not seam_problem(
+            "Agent.get_action_and_value"):
+        with torch.no_grad():
+            _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"],
+                                                                           mb["actions"])
+            entry["ratio_gap"] = (newlogprob - mb["logprobs"]).abs().max().item()
+            entry["of_record"] = float(reference_ppo_loss(newlogprob, entropy, newvalue, mb,
+                                                          float(clip), args))
+    return entry
+
+
+def bound(function, args, kwargs) -> dict:
+    """The arguments of a call by parameter name."""
+    return dict(inspect.signature(function).bind(*args, **kwargs).arguments)
+
+
+@pytest.fixture(scope="session")
+def instrumented(tmp_path_factory):
+    """Two iterations of main() on the stand-in env (4 envs x 16 steps, 4 minibatches, 3 epochs,
+    --anneal-clip), with the optimizer, gradient clipping, GAE and every call of the training
+    loss recorded: the loss function main calls, whatever its signature, on the real minibatches
+    of the real update. Also the run's TensorBoard scalars ("logged")."""
+    need("main")
+    import torch
+    import torch.nn as nn
     import ppo_atari as P
-    agent = P.Agent(obs_shape(), 4)
-    return sorted(P.minibatch_loss(agent, random_minibatch(agent, 8), 0.1, P.Args())[1])
+    seen = {"adam": [], "clip": [], "loss": [], "gae": [], "optimizer": None}
+
+    class Adam(torch.optim.Adam):
+        def __init__(self, params, *a, **kw):
+            seen["adam"].append(kw)
+            super().__init__(params, *a, **kw)
+            seen["optimizer"] = self
+
+    real_clip, real_loss, real_gae = nn.utils.clip_grad_norm_, P.minibatch_loss, P.compute_gae
+
+    def clip(params, max_norm, *a, **kw):
+        seen["clip"].append(max_norm)
+        return real_clip(params, max_norm, *a, **kw)
+
+    def loss(*a, **kw):
+        loss, metrics = real_loss(*a, **kw)
+        seen["loss"].append(_record_loss_call(bound(real_loss, a, kw), loss, metrics,
+                                              seen["optimizer"]))
+        return loss, metrics
+
+    def gae(*a, **kw):
+        call = bound(real_gae, a, kw)
+        seen["gae"].append({k: v.clone() for k, v in call.items() if hasattr(v, "clone")})
+        return real_gae(*a, **kw)
+
+    def make_envs(args, seed, *a, **kw):
+        thunk = lambda: gym.wrappers.RecordEpisodeStatistics(Truncating())  # noqa: E731
+        return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
+                                        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    cwd = tmp_path_factory.mktemp("instrumented")
+    with pytest.MonkeyPatch.context() as mp:  # one run shared by the tests that read it
+        mp.chdir(cwd)
+        mp.setattr(torch.optim, "Adam", Adam)
+        mp.setattr(nn.utils, "clip_grad_norm_", clip)
+        mp.setattr(P, "minibatch_loss", loss)
+        mp.setattr(P, "compute_gae", gae)
+        mp.setattr(P, "make_envs", make_envs)
+        mp.setattr(P, "check_env_id", lambda env_id: None)
+        P.main(P.Args(env_id="Truncating", num_envs=4, num_steps=16, num_minibatches=4,
+                      update_epochs=3, total_timesteps=128, anneal_clip=True, cuda=False,
+                      run_name="instrumented"))
+    seen["logged"] = scalars(str(cwd / "runs" / "instrumented"))
+    return seen
+
+
+def loss_calls(instrumented) -> list:
+    """The recorded calls of the training loss; skips when main computes it some other way."""
+    need(what="main to compute the training loss by calling minibatch_loss(agent, mb, "
+         "clip_coef, args, ...)", problem=None if instrumented["loss"] else
+         "this copy's training never called minibatch_loss")
+    return instrumented["loss"]
 
 
 def run_script(args, cwd, script=None, timeout=300, env=None):

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ppo_atari as P
-from conftest import Truncating, obs_shape, run_dirs
+from conftest import Truncating, need, obs_shape, run_dirs
 
 OBS = obs_shape()
 
@@ -30,6 +30,7 @@ class CountMoves(TorchFunctionMode):
 def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
     """On CUDA every per-step copy of rewards or dones to the device is a blocking sync; they
     are kept on the host, and the rollout moves only the next observation per step."""
+    need("rollout")
     storage = P.make_storage(OBS, 6, 2, torch.device("meta"))  # meta: a device without memory
     assert storage["rewards"].device.type == "cpu" and storage["dones"].device.type == "cpu"
     assert storage["obs"].device.type == "meta" and storage["values"].device.type == "meta"
@@ -56,6 +57,7 @@ def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
 def test_heads_compute_in_float32_under_bf16_autocast():
     """bf16 rounds values of 8-16 to steps of 0.0625 (the value clip is 0.1): the trunk may run
     in bf16, the policy and value heads must not."""
+    need("Agent.forward", "Agent heads")
     agent = P.Agent(OBS, 4)
     dtypes = {}
     agent.actor.register_forward_hook(lambda m, i, o: dtypes.__setitem__("actor", o.dtype))

@@ -1,14 +1,13 @@
 """The same file under torchrun, or launched by hand: 2 CPU processes with gloo."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, obs_shape, run_dirs, scalars
+from conftest import SCRIPT, TINY, free_port, need, obs_shape, run_dirs, scalars
 
 # Runs the file under test (PPO_ATARI_SCRIPT) and saves each rank's final weights; FREEZE=1
 # trains an Agent whose first conv layer is frozen.
@@ -34,7 +33,7 @@ if agent is not None:
 def torchrun(cwd, *args, script="harness.py", env=None):
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29517", str(cwd / script), *args],
+         "--master_port", str(free_port()), str(cwd / script), *args],
         cwd=cwd, capture_output=True, text=True, timeout=400,
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {})))
 
@@ -42,9 +41,7 @@ def torchrun(cwd, *args, script="harness.py", env=None):
 def by_hand(folders, *args):
     """Two processes started by hand (as a multi-node launcher would): RANK, WORLD_SIZE and
     MASTER_ADDR/PORT set, each in its own working folder, so each has its own runs/."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, str(folder.parent / "harness.py"), *args], cwd=folder,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -123,6 +120,7 @@ def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(tmp_path):
 def test_a_frozen_layer_trains_under_two_processes(tmp_path):
     """Parameters without a gradient (frozen, or an unused head) are left out of the
     all-reduce instead of crashing it."""
+    need("Agent heads")
     (tmp_path / "harness.py").write_text(HARNESS)
     out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", env={"FREEZE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, loss_metric_names, obs_shape, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, need, obs_shape, run_dirs, run_script, scalars
 
 OBS = obs_shape()
 # CleanRL's tags (so curves overlay on published ones): a fork may add tags, never lose these
@@ -20,7 +20,7 @@ TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rat
         "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
         "losses/approx_kl", "losses/clipfrac", "losses/explained_variance",
         "charts/avg_episodic_return", "losses/value_clipfrac", "charts/rollout_time",
-        "charts/update_time"]
+        "charts/update_time", "losses/grad_norm"]
 
 
 def test_file_alone_trains_and_logs_every_tag(tmp_path):
@@ -38,11 +38,8 @@ def test_file_alone_trains_and_logs_every_tag(tmp_path):
     assert first == f"run folder: {shown}; watch it with: tensorboard --logdir {shown}"
     assert out.stdout.splitlines()[-1] == f"run folder: {shown}"
     assert os.path.basename(run).startswith("BreakoutNoFrameskip-v4__ppo_atari__1__")
-    logged = scalars(run)
-    assert set(TAGS) <= set(logged), f"CleanRL's tags missing: {set(TAGS) - set(logged)}"
-    # every metric the loss returns is logged as losses/<name>, and nothing else is
-    assert {t for t in logged if t.startswith("losses/")} == {
-        f"losses/{name}" for name in loss_metric_names()} | {"losses/explained_variance"}
+    logged = scalars(run)  # a fork may log more tags: the published ones must all be there
+    assert set(TAGS) <= set(logged), f"published tags missing: {sorted(set(TAGS) - set(logged))}"
     assert [s for s, _ in logged["charts/learning_rate"]] == [128, 256, 384, 512]
     # lr annealed linearly from 2.5e-4: 1, 3/4, 1/2, 1/4 of it
     np.testing.assert_allclose([v for _, v in logged["charts/learning_rate"]],
@@ -67,8 +64,8 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     assert all(p.wait(timeout=300) == 0 for p in procs)
     (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
     la, lb = scalars(a), scalars(b)
-    losses = [t for t in la if t.startswith("losses/")]
-    assert len(losses) == len(loss_metric_names()) + 1  # and explained_variance
+    losses = [t for t in la if t.startswith("losses/")]  # the published ones and a fork's own
+    assert {t for t in TAGS if t.startswith("losses/")} <= set(losses)
     for tag in losses:
         assert la[tag] == lb[tag], tag
     assert la["losses/value_loss"][0][1] != la["losses/value_loss"][1][1]  # the data is real
@@ -100,7 +97,9 @@ class ShowAndPick(gym.Env):
 
 
 def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch):
-    def make_envs(args, seed, video_folder=None, every_game=False):
+    need("main")
+
+    def make_envs(args, seed, *a, **kw):
         thunk = lambda: gym.wrappers.RecordEpisodeStatistics(ShowAndPick())  # noqa: E731
         return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
                                         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -134,7 +133,8 @@ def test_a_copy_with_another_frame_size_trains(tmp_path):
     file under test already has 64."""
     source = open(SCRIPT).read()
     sizes = re.findall(r"class GrayResize.*?size: int = (\d+)", source, re.S)
-    assert len(sizes) == 1, "GrayResize's size default is where the frame size lives"
+    need(what="class GrayResize with its `size: int = N` default (the frame-size edit point)",
+         problem=None if len(sizes) == 1 else f"this copy has {len(sizes)} such defaults")
     size = 64 if sizes[0] != "64" else 72
     edited = re.sub(r"(class GrayResize.*?size: int = )\d+", rf"\g<1>{size}", source, flags=re.S)
     (tmp_path / "ppo_atari.py").write_text(edited)
@@ -152,6 +152,7 @@ def test_a_copy_with_another_frame_size_trains(tmp_path):
 
 def test_sps_counts_from_the_end_of_the_first_iteration(workdir, monkeypatch):
     """A slow first iteration (warm-up after a start or resume) must not drag SPS down."""
+    need("main")
     real, calls = P.rollout, []
 
     def slow_first(*a, **kw):

@@ -5,9 +5,23 @@ import gymnasium as gym
 import numpy as np
 
 import ppo_atari as P
-from conftest import obs_shape
+from conftest import need, obs_shape
 
 OBS = obs_shape()
+
+
+def stack_depth() -> int:
+    """The number of frames make_env stacks (its FrameStackObservation)."""
+    need("frame stack")
+    env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
+    while not isinstance(env, gym.wrappers.FrameStackObservation):
+        env = env.env
+    return env.stack_size
+
+
+def split_frames(obs, depth):
+    """A stacked observation (..., C, H, W) as its depth frames (..., C / depth, H, W) each."""
+    return np.split(obs, depth, axis=-3)
 
 
 class ActionLog(gym.Wrapper):
@@ -31,6 +45,7 @@ def raw(env_id="BreakoutNoFrameskip-v4"):
 
 
 def test_max_and_skip_matches_stepping_the_raw_env_by_hand():
+    need("wrappers")
     wrapped, reference = P.MaxAndSkip(raw("PongNoFrameskip-v4"), skip=4), raw("PongNoFrameskip-v4")
     wrapped.reset(seed=3)
     reference.reset(seed=3)
@@ -60,6 +75,7 @@ def play_until(env, stop, rng, max_steps=5000):
 
 
 def test_life_loss_terminates_without_resetting_the_game():
+    need("wrappers")
     env = P.EpisodicLife(P.MaxAndSkip(ActionLog(raw())))
     ale = env.unwrapped.ale
     env.reset(seed=1)
@@ -85,6 +101,7 @@ def test_life_loss_terminates_without_resetting_the_game():
 
 
 def test_fire_is_pressed_after_every_reset_including_lost_lives():
+    need("wrappers")
     probe = ActionLog(raw())
     env = P.FireReset(P.EpisodicLife(P.MaxAndSkip(probe)))
     env.reset(seed=2)
@@ -96,6 +113,7 @@ def test_fire_is_pressed_after_every_reset_including_lost_lives():
 
 
 def test_noop_reset_takes_1_to_30_noops_from_the_seeded_rng():
+    need("wrappers")
     counts = []
     for seed in range(12):
         probe = ActionLog(raw())
@@ -111,6 +129,7 @@ def test_noop_reset_takes_1_to_30_noops_from_the_seeded_rng():
 
 
 def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
+    need("env thunk")
     env = P.make_env("SpaceInvadersNoFrameskip-v4", seed=0)()
     env.reset(seed=0)
     rng = np.random.default_rng(0)
@@ -131,27 +150,46 @@ def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
 def test_the_published_observation_is_4_frames_of_84x84():
     """Pins the published observation size: a stack of 4 frames of 84x84 (Mnih et al. 2015,
     baselines, CleanRL). The other tests take the shape from the file under test."""
+    need("env thunk")
     env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
     obs, _ = env.reset(seed=0)
     assert obs.shape == (4, 84, 84), f"published frames: 4 x 84 x 84, this file: {obs.shape}"
 
 
-def test_stack_is_gray_area_resized_uint8_newest_last():
+def test_stack_is_newest_last_and_padded_with_the_reset_frame():
+    depth = stack_depth()
     env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
     obs, _ = env.reset(seed=0)
     assert obs.dtype == np.uint8
-    assert all(np.array_equal(obs[0], obs[i]) for i in range(len(obs))), "reset pads with its frame"
-    first, rng = obs[0].copy(), np.random.default_rng(0)
+    first = split_frames(obs, depth)
+    assert all(np.array_equal(first[0], f) for f in first), "the reset pads with its frame"
+    rng = np.random.default_rng(0)
     for _ in range(20):
         new, *_ = env.step(int(rng.integers(0, 4)))
-        assert np.array_equal(new[:-1], obs[1:]), "frames must shift towards index 0"
+        assert all(np.array_equal(a, b) for a, b in zip(split_frames(new, depth)[:-1],
+                                                         split_frames(obs, depth)[1:])), \
+            "frames must shift towards index 0, the newest last"
         obs = new
+    assert not np.array_equal(split_frames(obs, depth)[-1], first[0]), "the frames never changed"
+
+
+def test_frames_are_gray_and_area_resized():
+    """Pins the published frame: the max of the last two raw frames, grayscale, area-resized."""
+    depth = stack_depth()
+    env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
+    env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        obs, *_ = env.step(int(rng.integers(0, 4)))
+    newest = split_frames(obs, depth)[-1]
+    assert newest.shape[0] == 1, ("published frames are grayscale (one channel each); this "
+                                  f"copy's frames have {newest.shape[0]} channels")
     rgb = env.unwrapped.ale.getScreenRGB()
     # the newest frame is the max of the last two raw frames, grayed and area-resized; the
     # current screen alone differs from that max only where sprites moved
-    last = cv2.resize(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), obs.shape[:0:-1],
+    last = cv2.resize(cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY), newest.shape[:0:-1],
                       interpolation=cv2.INTER_AREA)
-    assert np.mean(obs[-1] == last) > 0.95 and not np.array_equal(obs[-1], first)
+    assert np.mean(newest[0] == last) > 0.95, "frames: RGB to gray, then cv2.INTER_AREA resize"
 
 
 def test_finished_games_reports_every_game_ending_in_one_step():
@@ -170,10 +208,17 @@ def test_finished_games_reports_every_game_ending_in_one_step():
 
 
 def test_games_lives_fire_and_stacks_in_the_vector_env():
+    depth = stack_depth()
+    need("vector env")
     args = P.Args(num_envs=2, env_backend="sync")
     envs = P.make_envs(args, seed=0)
     obs, _ = envs.reset(seed=0)
-    assert (obs[:, :3] == obs[:, 3:]).all() and obs.max() > 0, "a game starts with its frame x4"
+
+    def fresh_stack(obs):  # (N,): the stack is one frame repeated
+        f = split_frames(obs, depth)
+        return np.all([(f[0] == g).all(axis=(1, 2, 3)) for g in f[1:]], axis=0)
+
+    assert fresh_stack(obs).all() and obs.max() > 0, "a game starts with its frame repeated"
     rng = np.random.default_rng(0)
     terminations, steps = np.zeros(2, dtype=int), np.zeros(2, dtype=int)
     games, pending = [], np.zeros(2, dtype=bool)
@@ -185,7 +230,7 @@ def test_games_lives_fire_and_stacks_in_the_vector_env():
         terminations += terminated
         # a lost life or a game over restarts the stack from one frame x4 in the same step
         # (the pseudo-reset)
-        fresh = (obs[:, :3] == obs[:, 3:]).all(axis=(1, 2, 3))
+        fresh = fresh_stack(obs)
         assert fresh[pending].all(), "no fresh stack after a termination"
         pending = terminated & ~fresh
         steps += 1
