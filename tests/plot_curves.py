@@ -1,18 +1,30 @@
-"""Learning-curve figure from runs' TensorBoard files (not collected by pytest).
+"""Learning curves: CSV files from runs' TensorBoard events, and figures from either (not
+collected by pytest).
 
-    pip install matplotlib        # this script only; the trainer does not need it
-    python tests/plot_curves.py --runs /work/learn/runs --out tests/figures/pong-breakout-2m.png
+    python tests/plot_curves.py --runs ../learn/runs --export tests/figures   # one CSV per run
+    pip install matplotlib        # the figures only; the trainer does not need it
+    python tests/plot_curves.py --csv tests/figures/breakout-10M-seed*.csv \\
+        --out tests/figures/breakout-10m.png --until 10000000
+    python tests/plot_curves.py --runs ../learn/runs --out tests/figures/pong-breakout-2m.png
 
-One panel per game: charts/avg_episodic_return (the mean of the last 100 finished games) of each
-run folder named {game}-*, and the published points at the same budgets, each marked with its
-source: CleanRL's ppo_atari.py docs figures (values read off the plotted curves) and SB3
+A curve is charts/avg_episodic_return (the mean of the last 100 finished games) against the
+agent step, read from each run folder's events (TensorBoard's view: events after a resumed
+checkpoint are purged) or from a CSV file this script exported. The CSV files hold one row per
+25 iterations and the last: step, avg_return_last100, games (the games finished by then); each
+file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv).
+
+One panel per game: each curve, and the published points at the same budgets, each marked with
+its source: CleanRL's ppo_atari.py docs figures (values read off the plotted curves) and SB3
 rl-zoo's PPO monitor files (DLR-RM/rl-trained-agents, the mean of the last 100 training games,
-one seed). Both are runs planned for 10M steps, as ours are. Prints the table of our values at
-0.5M, 1M, 1.5M and 2M steps.
+one seed), both runs planned for 10M steps, as ours are; at 10M, the 3-seed means of CleanRL's
+ppo_atari.py and of baselines ppo2 (shared/REFERENCES.md). Prints our values at each budget and,
+with several seeds of a game, their mean and standard deviation.
 """
 import argparse
+import csv
 import glob
 import os
+import re
 import sys
 
 import numpy as np
@@ -20,64 +32,140 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import scalars  # noqa: E402
 
-BUDGETS = [500_000, 1_000_000, 1_500_000, 2_000_000]
+BUDGETS = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000]
 PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
-    "Pong": {"CleanRL ppo_atari.py docs figure": {500_000: -19.5, 1_000_000: -8.9,
-                                                  2_000_000: 12.7},
-             "SB3 rl-zoo PPO, 1 seed": {500_000: -18.8, 1_000_000: -12.1, 2_000_000: 14.8}},
-    "Breakout": {"CleanRL ppo_atari.py docs figure": {500_000: 10.3, 1_000_000: 19.3,
-                                                      2_000_000: 48.7},
-                 "SB3 rl-zoo PPO, 1 seed": {500_000: 14.7, 1_000_000: 25.7, 2_000_000: 58.3}},
+    "Pong": {"CleanRL ppo_atari.py docs figure": {250_000: -20.5, 500_000: -19.5,
+                                                  1_000_000: -8.9, 2_000_000: 12.7,
+                                                  3_000_000: 17.1, 5_000_000: 19.5},
+             "SB3 rl-zoo PPO, 1 seed": {250_000: -20.3, 500_000: -18.8, 1_000_000: -12.1,
+                                        2_000_000: 14.8, 3_000_000: 20.3, 5_000_000: 20.8},
+             "CleanRL ppo_atari.py, 3 seeds": {10_000_000: 20.36},
+             "baselines ppo2, 3 seeds": {10_000_000: 20.51}},
+    "Breakout": {"CleanRL ppo_atari.py docs figure": {250_000: 6.3, 500_000: 10.3,
+                                                      1_000_000: 19.3, 2_000_000: 48.7,
+                                                      3_000_000: 101.8, 5_000_000: 203.1},
+                 "SB3 rl-zoo PPO, 1 seed": {250_000: 9.3, 500_000: 14.7, 1_000_000: 25.7,
+                                            2_000_000: 58.3, 3_000_000: 113.8,
+                                            5_000_000: 243.3},
+                 "CleanRL ppo_atari.py, 3 seeds": {10_000_000: 414.66},
+                 "baselines ppo2, 3 seeds": {10_000_000: 406.57}},
 }
 RANDOM = {"Pong": -20.7, "Breakout": 1.7}  # Mnih et al. 2015
+COLUMNS = ["step", "avg_return_last100", "games"]
+EVERY = 25  # iterations per CSV row
 
 
-def curve(run):
-    logged = scalars(run).get("charts/avg_episodic_return", [])
-    return np.array(logged).T if logged else (np.array([]), np.array([]))
+def from_run(run: str) -> np.ndarray:
+    """(rows, 3): step, mean of the last 100 games, games finished, at every iteration."""
+    logged = scalars(run)
+    avg = logged.get("charts/avg_episodic_return", [])
+    ends = np.array([s for s, _ in logged.get("charts/episodic_return", [])])
+    return np.array([(s, v, int((ends <= s).sum())) for s, v in avg]).reshape(-1, 3)
 
 
-def at(steps, values, budget):
-    """The logged value at the last iteration at or before `budget` steps."""
+def export(run: str, folder: str) -> str:
+    rows = from_run(run)
+    keep = [i for i in range(len(rows)) if i % EVERY == EVERY - 1 or i == len(rows) - 1]
+    path = os.path.join(folder, f"{os.path.basename(run.rstrip('/'))}.csv")
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(COLUMNS)
+        out.writerows([int(r[0]), f"{r[1]:.3f}", int(r[2])] for r in rows[keep])
+    return path
+
+
+def from_csv(path: str) -> np.ndarray:
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    if rows[0][:2] != COLUMNS[:2]:
+        sys.exit(f"{path}: not a curve file (its header is {rows[0]}, expected {COLUMNS})")
+    return np.array([[float(x) for x in r] for r in rows[1:]]).reshape(-1, len(rows[0]))
+
+
+def at(curve: np.ndarray, budget: int):
+    """The value at the last row at or before `budget` steps, if the curve gets that far."""
+    steps, values = curve[:, 0], curve[:, 1]
     before = steps <= budget
-    return values[before][-1] if before.any() and steps.max() >= budget - 2048 else None
+    far = EVERY * 1024 + 2048  # a CSV row every 25 iterations (of 1,024 steps by default)
+    return values[before][-1] if before.any() and steps.max() >= budget - far else None
+
+
+def game_of(name: str) -> str:
+    for game in PUBLISHED:
+        if name.lower().startswith(game.lower()):
+            return game
+    sys.exit(f"{name}: the name does not start with a game of {list(PUBLISHED)}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="runs", help="the folder holding the run folders")
-    parser.add_argument("--out", default="tests/figures/pong-breakout-2m.png")
+    parser.add_argument("--runs", help="a folder of run folders named {game}-...")
+    parser.add_argument("--csv", nargs="*", default=[], help="curve files written by --export")
+    parser.add_argument("--export", help="write one CSV file per run folder into this folder")
+    parser.add_argument("--out", help="the figure to write (PNG)")
+    parser.add_argument("--until", type=int, default=2_000_000, help="the x-axis's end")
     a = parser.parse_args()
+    curves = {}  # name: rows
+    runs = sorted(glob.glob(os.path.join(a.runs, "*"))) if a.runs else []
+    for run in runs:
+        if a.export:
+            print(f"wrote {export(run, a.export)}")
+        curves[os.path.basename(run)] = from_run(run)
+    for path in a.csv:
+        curves[os.path.basename(path)[:-len(".csv")]] = from_csv(path)
+    curves = {k: v for k, v in curves.items() if len(v)}
+    budgets = [b for b in BUDGETS if b <= a.until]
+    print("| game | run | last step | " + " | ".join(f"{b / 1e6:g}M" for b in budgets) + " |")
+    print("|---|---|---|" + "---|" * len(budgets))
+    cells = {}
+    for name, rows in curves.items():
+        cells[name] = [at(rows, b) for b in budgets]
+        print(f"| {game_of(name)} | {name} | {int(rows[-1, 0]):,} | " + " | ".join(
+            "-" if c is None else f"{c:.1f}" for c in cells[name]) + " |")
+    for game in PUBLISHED:  # several seeds of one plan: mean and std where all reached a budget
+        names = [n for n in cells if game_of(n) == game]
+        plans = {re.sub(r"seed\d+", "seed*", n) for n in names}
+        for plan in sorted(plans):
+            group = [cells[n] for n in names if re.sub(r"seed\d+", "seed*", n) == plan]
+            if len(group) > 1:
+                columns = [[g[i] for g in group] for i in range(len(budgets))]
+                means = [None if None in c else f"{np.mean(c):.1f} ± {np.std(c):.1f}"
+                         for c in columns]
+                print(f"| {game} | {plan}, mean ± std of {len(group)} | | " +
+                      " | ".join(m or "-" for m in means) + " |")
+    if a.out:
+        plot(curves, a.out, a.until)
+
+
+def plot(curves: dict, out: str, until: int):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    print("| game | run | " + " | ".join(f"{b / 1e6:g}M" for b in BUDGETS) + " |")
-    print("|---|---|" + "---|" * len(BUDGETS))
-    for ax, game in zip(axes, PUBLISHED):
-        for run in sorted(glob.glob(os.path.join(a.runs, f"{game.lower()}-*"))):
-            steps, values = curve(run)
-            if not len(steps):
-                continue
-            ax.plot(steps, values, label=f"ppo_atari.py, {os.path.basename(run)}")
-            cells = [at(steps, values, b) for b in BUDGETS]
-            print(f"| {game} | {os.path.basename(run)} | " + " | ".join(
-                "-" if c is None else f"{c:.1f}" for c in cells) + " |")
-        for (source, points), marker in zip(PUBLISHED[game].items(), ("o", "s")):
-            ax.scatter(list(points), list(points.values()), marker=marker, s=40, zorder=3,
-                       color="black" if marker == "o" else "gray", label=source)
+    games = [g for g in PUBLISHED if any(game_of(n) == g for n in curves)]
+    fig, axes = plt.subplots(1, len(games), figsize=(5.5 * len(games), 4), dpi=110,
+                             squeeze=False)
+    for ax, game in zip(axes[0], games):
+        for name, rows in curves.items():
+            if game_of(name) == game:
+                ax.plot(rows[:, 0], rows[:, 1], label=f"ppo_atari.py, {name}")
+        markers = iter(("o", "s", "^", "v"))
+        for source, points in PUBLISHED[game].items():
+            shown = {s: v for s, v in points.items() if s <= until}
+            if shown:
+                ax.scatter(list(shown), list(shown.values()), marker=next(markers), s=40,
+                           zorder=3, label=source)
         ax.axhline(RANDOM[game], color="gray", linestyle=":", label=f"random ({RANDOM[game]})")
-        ax.set_title(f"{game}NoFrameskip-v4, planned for 10M steps, stopped at 2M", fontsize=10)
+        ax.set_title(f"{game}NoFrameskip-v4, runs planned for 10M steps", fontsize=10)
         ax.set_xlabel("agent steps")
         ax.set_ylabel("average return of the last 100 games")
-        ax.set_xlim(0, 2_100_000)
+        ax.set_xlim(0, until * 1.05)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fig.tight_layout()
-    fig.savefig(a.out)
-    print(f"wrote {a.out}")
+    fig.savefig(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Checkpoints: round trip, atomic writes, exact resume, Ctrl-C, safe loading, evaluation."""
+import inspect
 import os
 import pickle
 import shlex
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, need, obs_shape, run_dirs, run_script, scalars
+from conftest import (SCRIPT, TINY, bound, need, obs_shape, run_dirs, run_script, scalars,
+                      takes)
 
 OBS = obs_shape()
 
@@ -382,3 +384,27 @@ def test_agent_pt_is_written_atomically(workdir, monkeypatch):
         os.path.basename(path)), real(path, state)))
     P.main(tiny_args(total_timesteps=64))
     assert written.count("agent.pt") == 1 and "checkpoint.pt" in written
+
+
+def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
+    """A fork's own state (a penalty coefficient, a running statistic) lives in main's carry
+    dict, which the training loss receives: checkpoints save it and a resume restores it."""
+    need("main")
+    real = P.minibatch_loss
+    need(what="minibatch_loss(agent, mb, clip_coef, args, carry)", problem=None if "carry" in
+         inspect.signature(real).parameters else takes(real, None, None, None, None, None))
+
+    def counting(*a, **kw):  # what a stateful fork does: update its state as it trains
+        carry = bound(real, a, kw)["carry"]
+        carry["calls"] = carry.get("calls", 0) + 1
+        carry["running"] = torch.tensor(float(carry["calls"]))  # tensors are kept too
+        return real(*a, **kw)
+
+    monkeypatch.setattr(P, "minibatch_loss", counting)
+    P.main(tiny_args(total_timesteps=2 * 64, run_name="stateful"))
+    run = str(workdir / "runs" / "stateful")
+    assert P.load_checkpoint(run)["carry"]["calls"] == 2 * 4  # 2 epochs x 2 minibatches each
+    P.main(tiny_args(total_timesteps=3 * 64, run_name="stateful"))  # continued
+    carry = P.load_checkpoint(run)["carry"]
+    assert carry["calls"] == 3 * 4, "the resume did not restore the fork's carried state"
+    assert torch.equal(carry["running"], torch.tensor(12.0))

@@ -1,10 +1,12 @@
 """compute_gae against hand-computed cases and a plain reference; ppo_loss on crafted inputs."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
 import ppo_atari as P
-from conftest import need, obs_shape
+from conftest import SCRIPT, need, need_text, obs_shape
 
 OBS = obs_shape()
 
@@ -121,3 +123,31 @@ def test_value_clipping():
     m, _, _ = crafted(1.0, 0.0, newvalue=0.1, value=0.0, ret=1.0)  # inside: unclipped error
     assert m["value_loss"].item() == pytest.approx(0.5 * 0.9 ** 2)
     assert m["value_clipfrac"].item() == 0.0
+
+
+def test_approx_kl_keeps_its_gradient_so_a_kl_penalty_is_one_line(tmp_path):
+    """A KL penalty is `+ kl_coef * approx_kl` in ppo_loss's loss line: approx_kl must carry its
+    gradient there (only the logged metric is detached), and be (r - 1) - log r."""
+    line = "    loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss\n"
+    need_text(line, "ppo_loss's loss line `loss = pg_loss - ent_coef * entropy_loss + vf_coef * "
+              "v_loss`, which it extends with a KL penalty")
+    (tmp_path / "kl_penalty.py").write_text(
+        open(SCRIPT).read().replace(line, line[:-1] + " + 10.0 * approx_kl\n"))
+    spec = importlib.util.spec_from_file_location("kl_penalty", tmp_path / "kl_penalty.py")
+    penalized = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(penalized)
+    g = torch.Generator().manual_seed(0)
+    logprob = torch.randn(16, generator=g) * 0.1 - 1.4
+    moved, advantages = logprob + torch.randn(16, generator=g) * 0.1, torch.randn(16, generator=g)
+    grads = []
+    for module in (P, penalized):
+        newlogprob = moved.clone().requires_grad_()
+        loss, metrics = module.ppo_loss(newlogprob, torch.ones(16), torch.zeros(16), logprob,
+                                        advantages, torch.zeros(16), torch.zeros(16), 0.2)
+        loss.backward()
+        grads.append(newlogprob.grad)
+        assert not metrics["approx_kl"].requires_grad, "the logged metric is a detached copy"
+    ratio = (moved - logprob).exp()
+    # d/dlogp_i of mean((r - 1) - log r) is (r_i - 1) / B
+    torch.testing.assert_close(grads[1] - grads[0], 10.0 * (ratio - 1) / 16, msg=(
+        "approx_kl in ppo_loss must keep its gradient, (r - 1) - log r, for a KL penalty"))

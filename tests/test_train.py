@@ -9,6 +9,7 @@ import time
 import cv2
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 
 import ppo_atari as P
@@ -169,3 +170,31 @@ def test_sps_counts_from_the_end_of_the_first_iteration(workdir, monkeypatch):
     assert sps[0] < 64 / 2.0  # the first iteration reports its own rate, sleep included
     # counted from the process start, 256 steps over more than 2 s would be < 128
     assert sps[-1] > 256 / 2.0, sps
+
+
+class ColourStack(gym.Env):
+    """A stack of 4 colour frames as gymnasium stacks them, (4, 84, 84, 3): not channels first."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0, 255, (4, 84, 84, 3), np.uint8)
+        self.action_space = gym.spaces.Discrete(4)
+
+    def reset(self, seed=None, options=None):
+        return np.zeros((4, 84, 84, 3), np.uint8), {}
+
+    def step(self, action):
+        return np.zeros((4, 84, 84, 3), np.uint8), 0.0, False, False, {}
+
+
+def test_observations_that_are_not_channels_first_are_refused_in_one_line(workdir, monkeypatch,
+                                                                           capsys):
+    need("main", "env thunk")
+    monkeypatch.setattr(P, "make_env", lambda *a, **kw: ColourStack)
+    with pytest.raises(SystemExit) as e:
+        P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, cuda=False, run_name="rgb",
+                      total_timesteps=64))
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: the env's observations are (4, 84, 84, 3), not (C, H, W)")
+    assert "reshaped to (12, H, W)" in line
+    assert not os.path.exists(workdir / "runs"), "nothing is written for a run that cannot start"
