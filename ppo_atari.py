@@ -793,6 +793,21 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
                             rank=rank, world_size=world_size, timeout=timeout)
 
 
+def ensure_agent_file(ckpt: dict, finished: bool) -> bool:
+    """A run with nothing left to train keeps its agent.pt; one killed while writing it (missing,
+    partial, or older than the checkpoint) gets it written from the checkpoint. True: written."""
+    path = os.path.join(ckpt["run_dir"], "agent.pt")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        current = (saved["global_step"], saved["finished"]) == (ckpt["global_step"], finished)
+    except Exception:  # missing, truncated, or not ours
+        current = False
+    if not current:
+        save_checkpoint(path, {"model": ckpt["model"], "args": ckpt["args"],
+                               "global_step": ckpt["global_step"], "finished": finished})
+    return not current
+
+
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
     """Checks a checkpoint against this launch and says what resuming does; True: there is
     nothing to train (the run has reached --total-timesteps or --stop-at-step)."""
@@ -803,15 +818,17 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
              f"continue it with {n} processes (torchrun --nproc_per_node)")
     where, batch = shown_path(ckpt["run_dir"]), local_batch * world_size
     iterations = args.total_timesteps // batch
-    if done >= iterations:
-        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps is "
-              f"{args.total_timesteps:,}; nothing written. To train longer, pass a larger "
-              f"--total-timesteps", flush=True)
-        return True
-    if args.stop_at_step and step >= args.stop_at_step:
-        print(f"{where} has run {step:,} steps, already past --stop-at-step {args.stop_at_step:,}; "
-              f"nothing written. Drop --stop-at-step (or raise it) to continue to "
-              f"{args.total_timesteps:,}", flush=True)
+    if done >= iterations or (args.stop_at_step and step >= args.stop_at_step):
+        written = "agent.pt was missing or partial, written from the checkpoint" if \
+            ensure_agent_file(ckpt, finished=done >= iterations) else "nothing written"
+        if done >= iterations:
+            print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps "
+                  f"is {args.total_timesteps:,}; {written}. To train longer, pass a larger "
+                  f"--total-timesteps", flush=True)
+        else:
+            print(f"{where} has run {step:,} steps, already past --stop-at-step "
+                  f"{args.stop_at_step:,}; {written}. Drop --stop-at-step (or raise it) to "
+                  f"continue to {args.total_timesteps:,}", flush=True)
         return True
     lr_old, lr_new = ((1.0 - done / (total // batch)) * args.learning_rate
                       for total in (saved.total_timesteps, args.total_timesteps))
@@ -838,7 +855,9 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
         if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
-        elif os.path.isdir(folder) and os.listdir(folder):
+        # only checkpoint.pt.tmp: a new run killed while writing its first checkpoint, started
+        # again (that file is rewritten); anything else is not a run of this script
+        elif os.path.isdir(folder) and set(os.listdir(folder)) - {"checkpoint.pt.tmp"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
@@ -883,7 +902,8 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
 
 def catch_stop_signals() -> tuple[list, list]:
     """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
-    the returned list); a second Ctrl-C exits at once. Returns (that list, the old handlers)."""
+    the returned list; one during start-up stops the run after its first iteration); a second
+    Ctrl-C exits at once. Returns (that list, the old handlers)."""
     stop = []
 
     def on_signal(signum, frame):
@@ -963,7 +983,7 @@ def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool
               f"{args.total_timesteps:,} with: {resume}", flush=True)
 
 
-def close(envs, writer, old_handlers=()):
+def close(envs, writer):
     envs.close()
     if writer is not None:
         writer.close()
@@ -972,11 +992,22 @@ def close(envs, writer, old_handlers=()):
         # free the group now if a reference cycle holds it: freed at interpreter exit, gloo's
         # workers drop tensors with no GIL to take and the process aborts (exit code -6)
         gc.collect()
-    for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
-        signal.signal(s, handler)
 
 
 def main(args: Args, explicit: set[str] | None = None):
+    """Trains (or evaluates, with --eval-checkpoint). While training, Ctrl-C and SIGTERM are
+    caught from the first instant of start-up (a signal never lands in the middle of a setup
+    step), and the caller's handlers are back when main returns or fails."""
+    training = args.eval_checkpoint is None
+    stop, old_handlers = catch_stop_signals() if training else ([], [])
+    try:
+        return train(args, explicit, stop)
+    finally:
+        for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
+            signal.signal(s, handler)
+
+
+def train(args: Args, explicit: set[str] | None, stop: list):
     if explicit is None:  # main(Args(...)) from Python: the fields that differ from defaults
         explicit = {f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(
             Args(), f.name)}
@@ -1033,7 +1064,6 @@ def main(args: Args, explicit: set[str] | None = None):
                            device)
     staging = torch.zeros(storage["obs"].shape[1:], dtype=torch.uint8, pin_memory=use_cuda)
     next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
-    stop, old_handlers = catch_stop_signals()
     batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
     num_iterations, first, last_print = args.total_timesteps // batch_steps, None, 0.0
     stopped = at_stop = False
@@ -1080,7 +1110,7 @@ def main(args: Args, explicit: set[str] | None = None):
             break
 
     # close: the trained agent with its arguments; finished: it reached --total-timesteps
-    close(envs, writer, old_handlers)
+    close(envs, writer)
     if rank == 0:
         save_agent(run_dir, agent, args, global_step, iteration == num_iterations,
                    "signal" if stopped else "--stop-at-step" if at_stop else None)

@@ -78,7 +78,10 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("observations scaled by 1/255", ".div_(255.0)", ".div_(128.0)"),
     # the update loop
     ("gradient norm clipping", "nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)",
-     "pass"),
+     "torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in agent.parameters()]))"),
+    ("grad_norm logged", 'metrics = metrics | {"grad_norm": grad_norm}', "metrics = metrics"),
+    ("approx_kl keeps its gradient", "approx_kl = ((ratio - 1) - logratio).mean()  #",
+     "approx_kl = ((ratio - 1) - logratio).mean().detach()  #"),
     ("learning-rate annealing",
      "lr_now = frac * args.learning_rate if args.anneal_lr else args.learning_rate",
      "lr_now = args.learning_rate"),
@@ -150,6 +153,11 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("--stop-at-step stops",
      "at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step",
      "at_stop = False", "test_checkpoint.py"),
+    ("a fork's carry is saved", '"recent_returns": list(recent), "carry": carry})',
+     '"recent_returns": list(recent)})', "test_checkpoint.py"),
+    ("a fork's carry is restored", 'carry = ckpt.get("carry", {}) if ckpt else {}', "carry = {}",
+     "test_checkpoint.py"),
+    ("observations must be (C, H, W)", "    if len(shape) != 3:", "    if False:", "test_train.py"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",

@@ -138,6 +138,10 @@ def test_orthogonal_init_gains_and_zero_biases():
     assert [type(m) for m in hidden] == [nn.Conv2d] * 3 + [nn.Linear], "NatureCNN of record"
     assert hidden[-1].out_features == 512, "NatureCNN of record: a Linear(., 512) last"
     need("Agent heads")
+    others = sorted({name.split(".")[0] for name, _ in agent.named_parameters()} -
+                    {"network", "actor", "critic"})
+    assert not others, ("NatureCNN of record: the heads read the trunk's 512 features directly; "
+                        f"this copy's Agent also has parameters in {', '.join(others)}")
     for layer in hidden:  # orthogonal with gain sqrt(2): every singular value sqrt(2)
         torch.testing.assert_close(singular_values(layer),
                                    torch.full_like(singular_values(layer), math.sqrt(2)),

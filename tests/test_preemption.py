@@ -9,7 +9,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, need, run_dirs, run_script, scalars
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
 
@@ -149,3 +149,120 @@ def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker
     out = subprocess.run([sys.executable, "sweep.py"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert "exit 0" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+# Runs the file under test (PPO_ATARI_SCRIPT) and kills itself at one exact instant, named by
+# KILL_AT = "rename:FILE:N": the N-th write of FILE, its temporary file half written and not yet
+# renamed; "call:NAME:N": the moment the N-th call of the file's NAME has returned. SIGNAL names
+# the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
+# Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped.
+KILLER = """
+import importlib.util, os, signal, sys
+import tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+where, name, nth = os.environ["KILL_AT"].split(":")
+sig, seen = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), []
+
+class Finalizer:
+    def __del__(self):
+        os.kill(os.getpid(), sig)
+        sum(range(10 ** 5))  # Python runs the handler here, inside __del__
+
+def hit():
+    seen.append(1)
+    if len(seen) == int(nth):
+        Finalizer() if os.environ.get("SWALLOW") else os.kill(os.getpid(), sig)
+
+if where == "rename":
+    real_replace = os.replace
+    def replace(src, dst, *a, **kw):
+        if os.path.basename(dst) == name and len(seen) + 1 == int(nth):
+            os.truncate(src, os.path.getsize(src) // 2)
+            hit()
+        elif os.path.basename(dst) == name:
+            seen.append(1)
+        return real_replace(src, dst, *a, **kw)
+    os.replace = replace
+else:
+    real = getattr(P, name)
+    def call(*a, **kw):
+        out = real(*a, **kw)
+        hit()
+        return out
+    setattr(P, name, call)
+P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+TOTAL = 4 * ITER
+JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--run-name", "job"]
+
+
+def killed_at(cwd, kill_at, args=JOB, **env):
+    (cwd / "killer.py").write_text(KILLER)
+    return subprocess.run([sys.executable, str(cwd / "killer.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", KILL_AT=kill_at, **env))
+
+
+def assert_finished(run):
+    assert P.load_checkpoint(run)["global_step"] == TOTAL
+    agent = P.load_checkpoint(os.path.join(run, "agent.pt"))
+    assert agent["finished"] is True and agent["global_step"] == TOTAL
+    steps = [s for s, _ in scalars(run)["losses/value_loss"]]  # TensorBoard's view
+    assert steps == list(range(ITER, TOTAL + 1, ITER)), f"iterations logged at {steps}"
+
+
+@pytest.mark.parametrize("instant, kill_at, left", [
+    ("start-up, envs made", "call:make_envs:1", None),
+    ("writing the first checkpoint", "rename:checkpoint.pt:1", ["checkpoint.pt.tmp"]),
+    ("the TensorBoard writer's first event file", "call:SummaryWriter:1", None),
+    ("writing a later checkpoint", "rename:checkpoint.pt:3", None),
+    ("writing the final agent.pt", "rename:agent.pt:1", None),
+])
+def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(tmp_path, instant,
+                                                                        kill_at, left):
+    need("main")
+    out = killed_at(tmp_path, kill_at)
+    assert out.returncode == -signal.SIGKILL, (instant, out.stderr[-2000:])
+    run = tmp_path / "runs" / "job"
+    if left is not None:
+        assert sorted(os.listdir(run)) == left, instant
+    again = run_script(JOB, cwd=tmp_path)
+    assert again.returncode == 0, (instant, again.stderr[-2000:])
+    if kill_at.startswith("rename:agent.pt"):
+        assert "agent.pt was missing or partial, written from the checkpoint" in again.stdout
+    assert_finished(str(run))
+    assert not os.path.exists(run / "checkpoint.pt.tmp") or kill_at.startswith("rename:agent")
+
+
+def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(tmp_path):
+    need("main")
+    assert run_script(JOB, cwd=tmp_path).returncode == 0
+    run = str(tmp_path / "runs" / "job")
+    before = listing(run)
+    evaluation = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "1",
+                  "--no-cuda"]
+    out = killed_at(tmp_path, "call:SummaryWriter:1", args=evaluation)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    again = run_script(evaluation, cwd=tmp_path)
+    assert again.returncode == 0 and "over 1 game (agent at step 256)" in again.stdout
+    assert {f: t for f, t in listing(run).items() if f != "eval"} == before
+    assert "nothing written" in run_script(JOB, cwd=tmp_path).stdout
+    assert_finished(run)
+
+
+def test_a_ctrl_c_during_start_up_is_never_dropped(tmp_path):
+    """Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
+    is, and one raised inside a finalizer (a __del__ run by the garbage collector) is printed
+    and dropped: the run then trained on as if never signalled. The trainer catches the signal
+    from its first instant instead: it stops after its first iteration with a checkpoint."""
+    need("main")
+    out = killed_at(tmp_path, "call:make_envs:1", SIGNAL="SIGINT", SWALLOW="1")
+    assert out.returncode == 130, out.stderr[-2000:]
+    assert "resume with: " in out.stdout
+    run = str(tmp_path / "runs" / "job")
+    assert P.load_checkpoint(run)["global_step"] == ITER
+    assert run_script(JOB, cwd=tmp_path).returncode == 0
+    assert_finished(run)
