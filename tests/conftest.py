@@ -313,7 +313,9 @@ def instrumented(tmp_path_factory):
     def gae(*a, **kw):
         call = bound(real_gae, a, kw)
         seen["gae"].append({k: v.clone() for k, v in call.items() if hasattr(v, "clone")})
-        return real_gae(*a, **kw)
+        advantages, returns = real_gae(*a, **kw)
+        seen["gae"][-1]["returns"] = returns.clone()
+        return advantages, returns
 
     def make_envs(args, seed, *a, **kw):
         thunk = lambda: gym.wrappers.RecordEpisodeStatistics(Truncating())  # noqa: E731

@@ -1,4 +1,5 @@
 """Checkpoints: round trip, atomic writes, exact resume, Ctrl-C, safe loading, evaluation."""
+import copy
 import inspect
 import os
 import pickle
@@ -408,3 +409,32 @@ def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
     carry = P.load_checkpoint(run)["carry"]
     assert carry["calls"] == 3 * 4, "the resume did not restore the fork's carried state"
     assert torch.equal(carry["running"], torch.tensor(12.0))
+
+
+def test_a_resume_restores_the_optimizer_and_the_rng(workdir, monkeypatch):
+    """A resumed run goes on with Adam's moments and step counts and the torch RNG (action
+    samples, minibatch order) of its checkpoint, not fresh ones."""
+    need("main")
+    P.main(tiny_args(total_timesteps=2 * 64, run_name="r"))
+    saved = P.load_checkpoint(str(workdir / "runs" / "r"))
+    seen, real_rollout, real_update = {}, P.rollout, P.update
+
+    def rollout(*a, **kw):
+        seen.setdefault("rng", torch.get_rng_state())  # before the first action is sampled
+        return real_rollout(*a, **kw)
+
+    def update(*a, **kw):
+        if "optimizer" not in seen:  # a copy: the update changes the moments in place
+            seen["optimizer"] = copy.deepcopy(bound(real_update, a, kw)["optimizer"].state_dict())
+        return real_update(*a, **kw)
+
+    monkeypatch.setattr(P, "rollout", rollout)
+    monkeypatch.setattr(P, "update", update)
+    P.main(tiny_args(total_timesteps=3 * 64, run_name="r"))
+    assert torch.equal(seen["rng"], saved["rng"]["torch"]), "the RNG was not restored"
+    state, restored = saved["optimizer"]["state"], seen["optimizer"]["state"]
+    assert state and set(state) == set(restored), "Adam's state was not restored"
+    for k in state:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(state[k][name]),
+                               torch.as_tensor(restored[k][name])), f"Adam's {name} restarted"

@@ -215,3 +215,36 @@ def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumente
     assert dones.shape == (16, 4)
     assert torch.equal(dones[:, 0], torch.tensor([float((t + 1) % 5 == 0) for t in range(16)]))
     assert torch.all(next_value != 0), "the last observation's value was not used"
+
+
+def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):
+    """losses/explained_variance = 1 - Var[returns - values] / Var[returns] over the iteration's
+    batch (the rollout's values against GAE's returns), as CleanRL and baselines log it."""
+    need("compute_gae")
+    logged = instrumented["logged"]["losses/explained_variance"]
+    assert len(logged) == len(instrumented["gae"]) == 2
+    for (_, value), call in zip(logged, instrumented["gae"]):
+        values, returns = call["values"].flatten().double(), call["returns"].flatten().double()
+        expected = 1 - torch.var(returns - values) / torch.var(returns)
+        assert value == pytest.approx(expected.item(), rel=1e-4, abs=1e-6), (
+            "explained variance of record: 1 - Var[returns - values] / Var[returns]")
+
+
+def test_target_kl_ends_the_update_after_the_epoch_that_crosses_it(workdir, monkeypatch):
+    """--target-kl: after each epoch, the last minibatch's approx_kl against it; above it, the
+    update stops: with a target no KL stays under, each update is one epoch."""
+    need("main")
+    calls, real = [], P.minibatch_loss
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(P, "minibatch_loss", counting)
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
+                  total_timesteps=2 * 64, target_kl=1e-12))
+    assert len(calls) == 2 * 2, f"{len(calls)} minibatches: 2 iterations x 1 epoch x 2 expected"
+    calls.clear()
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
+                  total_timesteps=2 * 64, target_kl=1e9))
+    assert len(calls) == 2 * 4 * 2, "a target no KL reaches must not stop any epoch"

@@ -24,6 +24,28 @@ if os.environ.get("FREEZE"):
             super().__init__(*a)
             self.network[0].requires_grad_(False)
     P.Agent = Frozen
+rank = os.environ["RANK"]
+if os.environ.get("RECORD"):  # this rank's env seed, and its first gradient before/after the mean
+    real_envs, real_reduce = P.make_envs, P.all_reduce_gradients
+    def make_envs(args, seed, *a, **kw):
+        open(f"seed{rank}.txt", "w").write(f"{seed} {args.num_envs}")
+        return real_envs(args, seed, *a, **kw)
+    def all_reduce_gradients(agent, *a, **kw):
+        grads = [p.grad.clone() for p in agent.parameters() if p.grad is not None]
+        real_reduce(agent, *a, **kw)
+        if not os.path.exists(f"grads{rank}.pt"):
+            torch.save({"local": grads, "reduced": [p.grad.clone() for p in agent.parameters()
+                                                    if p.grad is not None]}, f"grads{rank}.pt")
+    P.make_envs, P.all_reduce_gradients = make_envs, all_reduce_gradients
+if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its loss calls counted
+    real_loss, calls = P.minibatch_loss, []
+    kl = float(os.environ["KL_BY_RANK"].split(",")[int(rank)])
+    def minibatch_loss(*a, **kw):
+        loss, metrics = real_loss(*a, **kw)
+        calls.append(1)
+        open(f"calls{rank}.txt", "w").write(str(len(calls)))
+        return loss, metrics | {"approx_kl": torch.tensor(kl)}
+    P.minibatch_loss = minibatch_loss
 agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
 if agent is not None:
     torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")
@@ -38,7 +60,7 @@ def torchrun(cwd, *args, script="harness.py", env=None):
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {})))
 
 
-def by_hand(folders, *args):
+def by_hand(folders, *args, env=None):
     """Two processes started by hand (as a multi-node launcher would): RANK, WORLD_SIZE and
     MASTER_ADDR/PORT set, each in its own working folder, so each has its own runs/."""
     port = free_port()
@@ -47,7 +69,7 @@ def by_hand(folders, *args):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONWARNINGS="ignore", RANK=str(rank), WORLD_SIZE="2",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0",
-                 LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1"))
+                 LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1", **(env or {})))
         for rank, folder in enumerate(folders)]
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 
@@ -133,3 +155,41 @@ def test_a_frozen_layer_trains_under_two_processes(tmp_path):
     frozen = [k for k in r0 if k.startswith("network.0.")]
     assert frozen and not any(moved[k] for k in frozen), "the frozen layer moved"
     assert any(moved[k] for k in r0 if k not in frozen), "the other layers did not train"
+
+
+def test_ranks_play_apart_and_average_their_gradients(tmp_path):
+    """Each rank's envs get seeds of their own (the same seeds would play the same games), and
+    the gradient every rank steps with is the mean of the ranks' gradients (not their sum)."""
+    need("main")
+    (tmp_path / "harness.py").write_text(HARNESS)
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    for code, out, err in by_hand(folders, *TINY, "--total-timesteps", "128", env={"RECORD": "1"}):
+        assert code == 0, err[-3000:]
+    seeds = [range(s, s + n) for s, n in (map(int, (f / f"seed{r}.txt").read_text().split())
+                                          for r, f in enumerate(folders))]
+    assert not set(seeds[0]) & set(seeds[1]), f"the ranks' env seeds overlap: {seeds}"
+    g0, g1 = (torch.load(f / f"grads{r}.pt") for r, f in enumerate(folders))
+    assert any(not torch.equal(a, b) for a, b in zip(g0["local"], g1["local"])), "same data?"
+    for reduced in (g0["reduced"], g1["reduced"]):
+        for a, b, mean in zip(g0["local"], g1["local"], reduced):
+            torch.testing.assert_close(mean, (a + b) / 2, msg="gradients of record: the mean "
+                                       "over ranks (DDP), not the sum")
+
+
+def test_target_kl_is_decided_on_the_mean_over_ranks(tmp_path):
+    """Rank 0's approx_kl 0.6 and rank 1's 0.0 against --target-kl 0.4: the mean, 0.3, stops
+    no epoch, on both ranks alike (a rank deciding alone would stop while the other goes on,
+    and a sum would stop both)."""
+    need("main")
+    (tmp_path / "harness.py").write_text(HARNESS)
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    results = by_hand(folders, *TINY, "--total-timesteps", "128", "--target-kl", "0.4",
+                      "--dist-timeout", "30", env={"KL_BY_RANK": "0.6,0.0"})
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(folders)]
+    assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"

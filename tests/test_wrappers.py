@@ -128,6 +128,36 @@ def test_noop_reset_takes_1_to_30_noops_from_the_seeded_rng():
     assert len(probe.log) - 1 == counts[5], "same seed, different no-op count"
 
 
+class FixedDraw:
+    """Stands in for the env's seeded RNG: records each integers() call and returns `drawn`."""
+
+    def __init__(self, drawn):
+        self.drawn, self.calls = drawn, []
+
+    def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):
+        self.calls.append(range(low, high + 1 if endpoint else high))
+        return self.drawn
+
+
+def test_noop_count_is_drawn_from_1_to_30_inclusive_by_the_envs_rng():
+    need("wrappers")
+    for drawn in (1, 17, 30):
+        rng = FixedDraw(drawn)
+
+        class Probe(ActionLog):  # the seeded reset, then the stand-in RNG
+            def reset(self, **kwargs):
+                out = super().reset(**kwargs)
+                self.unwrapped._np_random = rng
+                return out
+
+        probe = Probe(raw())
+        P.NoopReset(probe, noop_max=30).reset(seed=0)
+        assert rng.calls == [range(1, 31)], ("no-op starts of record: a count from 1 to 30 "
+                                            f"inclusive, from the env's RNG; this copy draws "
+                                            f"from {rng.calls}")
+        assert probe.log[1:] == [0] * drawn, "the drawn count of no-ops is taken"
+
+
 def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
     need("env thunk")
     env = P.make_env("SpaceInvadersNoFrameskip-v4", seed=0)()
