@@ -1002,6 +1002,12 @@ def main(args: Args, explicit: set[str] | None = None):
     stop, old_handlers = catch_stop_signals() if training else ([], [])
     try:
         return train(args, explicit, stop)
+    except Exception as e:  # a signal to the process group also reaches the async workers
+        if not stop:  # while they start, before they ignore it, and kills them: stop plainly
+            raise
+        print(f"stopped by {signal.Signals(stop[0]).name} during start-up ({type(e).__name__}: "
+              f"{str(e)[:100]}); the same command continues the run", file=sys.stderr)
+        raise SystemExit(128 + stop[0])
     finally:
         for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
             signal.signal(s, handler)

@@ -184,6 +184,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("signals caught from the first instant",
      "    stop, old_handlers = catch_stop_signals() if training else ([], [])\n",
      "    stop, old_handlers = [], []\n", "test_preemption.py"),
+    ("a signalled start-up stops plainly", "        if not stop:  # while they start",
+     "        if True:  # while they start", "test_preemption.py"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",

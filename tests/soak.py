@@ -42,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--signals", type=int, default=50)
     parser.add_argument("--backend", choices=["sync", "async"], default="sync")
-    parser.add_argument("--iterations", type=int, default=120, help="the run's length")
+    parser.add_argument("--iterations", type=int, default=400, help="the run's length")
     parser.add_argument("--window", type=float, default=8.0, help="the latest delay, seconds")
     parser.add_argument("--seed", type=int, default=0, help="of the delays and signals")
     parser.add_argument("--max-seconds", type=float, default=3600)

@@ -158,6 +158,7 @@ def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker
 # Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped.
 KILLER = """
 import importlib.util, os, signal, sys
+import gymnasium as gym
 import tyro
 spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
 P = importlib.util.module_from_spec(spec)
@@ -176,7 +177,13 @@ def hit():
     if len(seen) == int(nth):
         Finalizer() if os.environ.get("SWALLOW") else os.kill(os.getpid(), sig)
 
-if where == "rename":
+if where == "group":  # the whole process group, the moment the async workers are spawned
+    real_check = gym.vector.AsyncVectorEnv._check_spaces
+    def check_spaces(self):
+        os.killpg(os.getpgid(0), sig)
+        return real_check(self)
+    gym.vector.AsyncVectorEnv._check_spaces = check_spaces
+elif where == "rename":
     real_replace = os.replace
     def replace(src, dst, *a, **kw):
         if os.path.basename(dst) == name and len(seen) + 1 == int(nth):
@@ -202,7 +209,7 @@ JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--
 def killed_at(cwd, kill_at, args=JOB, **env):
     (cwd / "killer.py").write_text(KILLER)
     return subprocess.run([sys.executable, str(cwd / "killer.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=300, start_new_session=True,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", KILL_AT=kill_at, **env))
 
 
@@ -266,3 +273,20 @@ def test_a_ctrl_c_during_start_up_is_never_dropped(tmp_path):
     assert P.load_checkpoint(run)["global_step"] == ITER
     assert run_script(JOB, cwd=tmp_path).returncode == 0
     assert_finished(run)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_group_while_async_workers_start_stops_plainly(tmp_path, name):
+    """Ctrl-C or SLURM's SIGTERM reach every process of the group, the async env workers too,
+    and kill those still starting (they ignore both only once their env thunk runs). The
+    trainer, which caught the signal, stops with its exit code and one line, no traceback; the
+    same command continues."""
+    need("main")
+    job = [*JOB, "--env-backend", "async"]
+    out = killed_at(tmp_path, "group:_check_spaces:1", args=job, SIGNAL=name)
+    assert out.returncode == 128 + getattr(signal, name), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"stopped by {name} during start-up" in out.stderr
+    again = run_script(job, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert_finished(str(tmp_path / "runs" / "job"))
