@@ -206,11 +206,13 @@ TOTAL = 4 * ITER
 JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--run-name", "job"]
 
 
-def killed_at(cwd, kill_at, args=JOB, **env):
+def killer(cwd, kill_at, args=JOB, **env):
+    """The harness in cwd, started in a session of its own (so a group signal stays in it)."""
     (cwd / "killer.py").write_text(KILLER)
-    return subprocess.run([sys.executable, str(cwd / "killer.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, start_new_session=True,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", KILL_AT=kill_at, **env))
+    return subprocess.Popen([sys.executable, str(cwd / "killer.py"), *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(
+                                os.environ, PYTHONWARNINGS="ignore", KILL_AT=kill_at, **env))
 
 
 def assert_finished(run):
@@ -221,27 +223,68 @@ def assert_finished(run):
     assert steps == list(range(ITER, TOTAL + 1, ITER)), f"iterations logged at {steps}"
 
 
-@pytest.mark.parametrize("instant, kill_at, left", [
-    ("start-up, envs made", "call:make_envs:1", None),
-    ("writing the first checkpoint", "rename:checkpoint.pt:1", ["checkpoint.pt.tmp"]),
-    ("the TensorBoard writer's first event file", "call:SummaryWriter:1", None),
-    ("writing a later checkpoint", "rename:checkpoint.pt:3", None),
-    ("writing the final agent.pt", "rename:agent.pt:1", None),
-])
-def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(tmp_path, instant,
-                                                                        kill_at, left):
+ASYNC = [*JOB, "--env-backend", "async"]
+INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its exit code)
+    "start-up, envs made": ("call:make_envs:1", JOB, {}, -9),
+    "writing the first checkpoint": ("rename:checkpoint.pt:1", JOB, {}, -9),
+    "the TensorBoard writer's first event file": ("call:SummaryWriter:1", JOB, {}, -9),
+    "writing a later checkpoint": ("rename:checkpoint.pt:3", JOB, {}, -9),
+    "writing the final agent.pt": ("rename:agent.pt:1", JOB, {}, -9),
+    # Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
+    # is, and one raised in a finalizer (__del__) is printed and dropped: the run trained on
+    # as if never signalled. Caught from main's first instant, it stops after one iteration.
+    "Ctrl-C inside a finalizer during start-up": ("call:make_envs:1", JOB,
+                                                  {"SIGNAL": "SIGINT", "SWALLOW": "1"}, 130),
+    # Ctrl-C and SLURM's SIGTERM reach the whole group, async workers still starting too (they
+    # ignore both only once their env thunk runs), and kill them: the trainer stops plainly
+    "SIGTERM to the group while async workers start": ("group:_check_spaces:1", ASYNC,
+                                                       {"SIGNAL": "SIGTERM"}, 143),
+    "Ctrl-C to the group while async workers start": ("group:_check_spaces:1", ASYNC,
+                                                      {"SIGNAL": "SIGINT"}, 130),
+}
+
+
+@pytest.fixture(scope="module")
+def instants(tmp_path_factory):
+    """Every instant's harness run at once, then the same command in each folder, at once."""
     need("main")
-    out = killed_at(tmp_path, kill_at)
-    assert out.returncode == -signal.SIGKILL, (instant, out.stderr[-2000:])
-    run = tmp_path / "runs" / "job"
-    if left is not None:
-        assert sorted(os.listdir(run)) == left, instant
-    again = run_script(JOB, cwd=tmp_path)
-    assert again.returncode == 0, (instant, again.stderr[-2000:])
-    if kill_at.startswith("rename:agent.pt"):
-        assert "agent.pt was missing or partial, written from the checkpoint" in again.stdout
+    folders = {name: tmp_path_factory.mktemp("instant") for name in INSTANTS}
+    procs = {name: killer(folders[name], kill_at, args, **env)
+             for name, (kill_at, args, env, _) in INSTANTS.items()}
+    killed = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
+    left = {name: sorted(os.listdir(f / "runs" / "job")) if (f / "runs" / "job").is_dir() else []
+            for name, f in folders.items()}
+    procs = {name: subprocess.Popen([sys.executable, SCRIPT, *INSTANTS[name][1]],
+                                    cwd=folders[name], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, PYTHONWARNINGS="ignore"))
+             for name in INSTANTS}
+    again = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
+    return {name: (folders[name], killed[name], again[name], left[name]) for name in INSTANTS}
+
+
+@pytest.mark.parametrize("instant", list(INSTANTS))
+def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(instants, instant):
+    folder, (code, out, err), (again_code, again_out, again_err), left = instants[instant]
+    assert code == INSTANTS[instant][3], (code, err[-2000:])
+    run = folder / "runs" / "job"
+    if instant == "writing the first checkpoint":
+        assert left == ["checkpoint.pt.tmp"], left
+    signal_name = INSTANTS[instant][2].get("SIGNAL")
+    if INSTANTS[instant][0].startswith("group"):  # the workers died: one line, no traceback
+        assert "Traceback" not in err and f"stopped by {signal_name} during start-up" in err, err
+    elif code > 0:  # caught and acted on: a checkpoint after the first iteration
+        assert "resume with: " in out, (out, err[-2000:])
+    assert again_code == 0, again_err[-2000:]
+    if instant == "writing the final agent.pt":
+        assert "agent.pt was missing or partial, written from the checkpoint" in again_out
     assert_finished(str(run))
-    assert not os.path.exists(run / "checkpoint.pt.tmp") or kill_at.startswith("rename:agent")
+
+
+def killed_at(cwd, kill_at, args=JOB, **env):
+    proc = killer(cwd, kill_at, args, **env)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(tmp_path):
@@ -258,35 +301,3 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(tmp_
     assert {f: t for f, t in listing(run).items() if f != "eval"} == before
     assert "nothing written" in run_script(JOB, cwd=tmp_path).stdout
     assert_finished(run)
-
-
-def test_a_ctrl_c_during_start_up_is_never_dropped(tmp_path):
-    """Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
-    is, and one raised inside a finalizer (a __del__ run by the garbage collector) is printed
-    and dropped: the run then trained on as if never signalled. The trainer catches the signal
-    from its first instant instead: it stops after its first iteration with a checkpoint."""
-    need("main")
-    out = killed_at(tmp_path, "call:make_envs:1", SIGNAL="SIGINT", SWALLOW="1")
-    assert out.returncode == 130, out.stderr[-2000:]
-    assert "resume with: " in out.stdout
-    run = str(tmp_path / "runs" / "job")
-    assert P.load_checkpoint(run)["global_step"] == ITER
-    assert run_script(JOB, cwd=tmp_path).returncode == 0
-    assert_finished(run)
-
-
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_group_while_async_workers_start_stops_plainly(tmp_path, name):
-    """Ctrl-C or SLURM's SIGTERM reach every process of the group, the async env workers too,
-    and kill those still starting (they ignore both only once their env thunk runs). The
-    trainer, which caught the signal, stops with its exit code and one line, no traceback; the
-    same command continues."""
-    need("main")
-    job = [*JOB, "--env-backend", "async"]
-    out = killed_at(tmp_path, "group:_check_spaces:1", args=job, SIGNAL=name)
-    assert out.returncode == 128 + getattr(signal, name), out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert f"stopped by {name} during start-up" in out.stderr
-    again = run_script(job, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert_finished(str(tmp_path / "runs" / "job"))
