@@ -900,10 +900,12 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
     return box[0]
 
 
-def catch_stop_signals() -> tuple[list, list]:
+def catch_stop_signals() -> tuple[list, dict]:
     """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
     the returned list; one during start-up stops the run after its first iteration); a second
-    Ctrl-C exits at once. Returns (that list, the old handlers)."""
+    Ctrl-C exits at once. A signal ignored when training starts stays ignored, as Python leaves
+    it (SIGINT in a script's `cmd &`, or under `nohup` from one). Returns (that list, the old
+    handlers of the signals caught)."""
     stop = []
 
     def on_signal(signum, frame):
@@ -912,7 +914,8 @@ def catch_stop_signals() -> tuple[list, list]:
             os._exit(130)
         stop.append(signum)
 
-    return stop, [signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)]
+    return stop, {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+                  if signal.getsignal(s) != signal.SIG_IGN}
 
 
 def build(args: Args, ckpt: dict | None, rank: int, device, backend: str, run_dir: str):
@@ -999,7 +1002,7 @@ def main(args: Args, explicit: set[str] | None = None):
     caught from the first instant of start-up (a signal never lands in the middle of a setup
     step), and the caller's handlers are back when main returns or fails."""
     training = args.eval_checkpoint is None
-    stop, old_handlers = catch_stop_signals() if training else ([], [])
+    stop, old_handlers = catch_stop_signals() if training else ([], {})
     try:
         return train(args, explicit, stop)
     except Exception as e:  # a signal to the process group also reaches the async workers
@@ -1009,7 +1012,7 @@ def main(args: Args, explicit: set[str] | None = None):
               f"{str(e)[:100]}); the same command continues the run", file=sys.stderr)
         raise SystemExit(128 + stop[0])
     finally:
-        for s, handler in zip((signal.SIGINT, signal.SIGTERM), old_handlers):
+        for s, handler in old_handlers.items():
             signal.signal(s, handler)
 
 

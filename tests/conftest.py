@@ -14,6 +14,7 @@ import glob
 import importlib.util
 import inspect
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Imports the file under test as the module `ppo_atari`, before any test module does."""
     global SCRIPT
+    # Ctrl-C as a terminal has it, whoever started pytest: an ignored SIGINT (pytest run as a
+    # script's background job) would stay ignored in every trainer the tests start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     SCRIPT = os.path.abspath(config.getoption("--script") or os.environ.get("PPO_ATARI_SCRIPT")
                              or SCRIPT)
     if not os.path.isfile(SCRIPT):

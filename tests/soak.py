@@ -47,7 +47,11 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="of the delays and signals")
     parser.add_argument("--max-seconds", type=float, default=3600)
     parser.add_argument("--script", default=os.path.join(ROOT, "ppo_atari.py"))
+    parser.add_argument("--verbose", action="store_true", help="a line per launch")
     a = parser.parse_args()
+    # as a terminal has it: a caught SIGINT resets to the default in each launch, where an
+    # ignored one (this script run as a background job, `cmd &`) would stay ignored there
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng, start = random.Random(a.seed), time.time()
     total = a.iterations * ITER
     with tempfile.TemporaryDirectory() as cwd:
@@ -59,9 +63,9 @@ def main():
             if time.time() - start > a.max_seconds:
                 sys.exit(f"stopped after {a.max_seconds:.0f} s with {sum(sent.values())} signals")
             name = rng.choice(list(SIGNALS))
-            proc = launch(command, cwd)
+            proc, launched, delay = launch(command, cwd), time.time(), rng.uniform(0.0, a.window)
             try:
-                proc.wait(timeout=rng.uniform(0.0, a.window))
+                proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 try:
                     os.killpg(proc.pid, SIGNALS[name])
@@ -70,6 +74,12 @@ def main():
             out, err = proc.communicate(timeout=300)
             sent[name] += 1
             exits[(name, proc.returncode)] += 1
+            if a.verbose:  # what each launch got and did
+                steps = [ln for ln in out.splitlines() if ln.startswith(("step ", "continuing",
+                                                                         "runs/"))]
+                print(f"{name} after {delay:.1f} s: exit {proc.returncode}, "
+                      f"{time.time() - launched:.1f} s; {' / '.join(steps[:1] + steps[-1:])}",
+                      flush=True)
             if proc.returncode not in (0, 130, 143, -9, -2, -15):
                 print(f"unexpected exit {proc.returncode} after {name}:\n{err[-2000:]}")
         finals = 0

@@ -301,3 +301,37 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(tmp_
     assert {f: t for f, t in listing(run).items() if f != "eval"} == before
     assert "nothing written" in run_script(JOB, cwd=tmp_path).stdout
     assert_finished(run)
+
+
+def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
+    """A script's background job (`python ppo_atari.py &`, no job control) starts with SIGINT
+    ignored, and Python leaves it so: the trainer does too, before and after start-up alike,
+    instead of acting on a Ctrl-C only once its handler is in. SIGTERM still stops it."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000",
+                             "--checkpoint-interval", "1", "--run-name", "bg"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    run = tmp_path / "runs" / "bg"
+
+    def iteration():  # the last checkpoint's, once there is one (a new run writes it first)
+        try:
+            return P.load_checkpoint(str(run))["iteration"]
+        except SystemExit:  # not there yet, or being renamed into place
+            return -1
+
+    def wait_for(target):
+        deadline = time.time() + 200
+        while iteration() < target and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        return iteration()
+
+    assert wait_for(1) >= 1, proc.communicate()[1][-2000:]
+    status = open(f"/proc/{proc.pid}/status").read()
+    ignored = int(status.split("SigIgn:\t")[1].split()[0], 16)
+    assert ignored >> (signal.SIGINT - 1) & 1, "SIGINT is no longer ignored while training"
+    proc.send_signal(signal.SIGINT)
+    reached = iteration()
+    assert wait_for(reached + 2) >= reached + 2, "the ignored Ctrl-C stopped the run"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
