@@ -2,11 +2,13 @@
 
     python tests/compare_scalars.py OLD.py NEW.py [-- extra flags]
     python tests/compare_scalars.py old.py ppo_atari.py --iterations 2 --config default
+    python tests/compare_scalars.py old.py ppo_atari.py --new-tag losses/grad_norm
 
 Runs both files in subprocesses on the CPU, same seed and flags, one after the other, and
 compares every TensorBoard scalar except the timing ones (charts/SPS, charts/rollout_time,
 charts/update_time) value for value. Prints each tag with its verdict; exit code 1 unless all
-are bit-identical. This is how a refactor that should not change the numbers is checked.
+are bit-identical (--new-tag: a tag the new file adds on purpose, allowed). This is how a
+refactor that should not change the numbers is checked.
 """
 import argparse
 import math
@@ -41,6 +43,8 @@ def main():
     parser.add_argument("--config", choices=list(CONFIGS), default="tiny")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--new-tag", action="append", default=[],
+                        help="a tag only the new file logs, on purpose (repeatable)")
     parser.add_argument("extra", nargs="*", help="more flags for both runs (after --)")
     a = parser.parse_args()
     flags, per_iteration = CONFIGS[a.config]
@@ -57,7 +61,9 @@ def main():
         if tag in TIMING:
             continue
         a_, b_ = old.get(tag), new.get(tag)
-        if a_ is None or b_ is None:
+        if a_ is None and tag in a.new_tag:
+            verdict = f"new in {a.new} ({len(b_)} values), allowed"
+        elif a_ is None or b_ is None:
             verdict, same = f"only in {'new' if a_ is None else 'old'}", False
         elif a_ == b_ or (len(a_) == len(b_) and all(
                 s == t and (v == w or (math.isnan(v) and math.isnan(w)))

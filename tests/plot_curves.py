@@ -10,7 +10,8 @@ collected by pytest).
 A curve is charts/avg_episodic_return (the mean of the last 100 finished games) against the
 agent step, read from each run folder's events (TensorBoard's view: events after a resumed
 checkpoint are purged) or from a CSV file this script exported. The CSV files hold one row per
-25 iterations and the last: step, avg_return_last100, games (the games finished by then); each
+25 iterations, the last iteration before each budget below, and the last one: step,
+avg_return_last100, games (the games finished by then); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv).
 
 One panel per game: each curve, and the published points at the same budgets, each marked with
@@ -65,7 +66,10 @@ def from_run(run: str) -> np.ndarray:
 
 def export(run: str, folder: str) -> str:
     rows = from_run(run)
-    keep = [i for i in range(len(rows)) if i % EVERY == EVERY - 1 or i == len(rows) - 1]
+    keep = {i for i in range(len(rows)) if i % EVERY == EVERY - 1 or i == len(rows) - 1}
+    keep |= {int(np.searchsorted(rows[:, 0], b, side="right")) - 1 for b in BUDGETS
+             if len(rows) and rows[-1, 0] >= b}  # the last iteration before each budget
+    keep = sorted(keep)
     path = os.path.join(folder, f"{os.path.basename(run.rstrip('/'))}.csv")
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
@@ -83,11 +87,11 @@ def from_csv(path: str) -> np.ndarray:
 
 
 def at(curve: np.ndarray, budget: int):
-    """The value at the last row at or before `budget` steps, if the curve gets that far."""
+    """The value at the last iteration at or before `budget` steps (exported CSV files keep
+    that row), if the curve gets that far."""
     steps, values = curve[:, 0], curve[:, 1]
     before = steps <= budget
-    far = EVERY * 1024 + 2048  # a CSV row every 25 iterations (of 1,024 steps by default)
-    return values[before][-1] if before.any() and steps.max() >= budget - far else None
+    return values[before][-1] if before.any() and steps.max() >= budget else None
 
 
 def game_of(name: str) -> str:
