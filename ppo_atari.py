@@ -8,7 +8,7 @@ details of record (openai/baselines ppo2, CleanRL), resumable, and runnable unde
     torchrun --nproc_per_node 2 ppo_atari.py                     # several processes/GPUs
 
 Top to bottom: Args, the Atari wrappers, the network, pure helpers (GAE, loss, checkpoints), the
-phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, main.
+phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, train.
 Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0.
 """
 import atexit

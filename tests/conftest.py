@@ -357,6 +357,16 @@ def run_script(args, cwd, script=None, timeout=300, env=None):
                           text=True, timeout=timeout, env=full_env)
 
 
+def run_scripts(runs, timeout=300):
+    """Several runs of the script at once ([(args, cwd), ...]): each launch spends seconds
+    importing torch on one core, so independent ones run side by side. CompletedProcesses."""
+    procs = [subprocess.Popen([sys.executable, SCRIPT, *args], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore")) for args, cwd in runs]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
+
+
 def run_dirs(cwd):
     return sorted(glob.glob(os.path.join(cwd, "runs", "*")))
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, bound, need, obs_shape, run_dirs, run_script, scalars,
-                      takes)
+from conftest import (SCRIPT, TINY, bound, need, obs_shape, run_dirs, run_script, run_scripts,
+                      scalars, takes)
 
 OBS = obs_shape()
 
@@ -135,9 +135,10 @@ def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(wor
     assert out.returncode == 0, out.stderr
     (run,) = run_dirs(workdir)
     before = sorted(os.listdir(run))
-    for args, message in [(["--env-id", "PongNoFrameskip-v4"], "--env-id cannot change"),
-                          (["--num-envs", "4"], "--num-envs cannot change")]:
-        out = run_script(["--resume", run, *args], cwd=workdir)
+    refusals = [(["--env-id", "PongNoFrameskip-v4"], "--env-id cannot change"),
+                (["--num-envs", "4"], "--num-envs cannot change")]
+    outs = run_scripts([(["--resume", run, *args], workdir) for args, _ in refusals])
+    for (_, message), out in zip(refusals, outs):
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
     assert sorted(os.listdir(run)) == before
     # a finished run is complete: nothing written, with the way to extend it
@@ -212,20 +213,26 @@ class Evil:
         return (open, (self.target, "w"))
 
 
-@pytest.mark.parametrize("writer", ["torch", "pickle"])
-@pytest.mark.parametrize("flag", ["--resume", "--eval-checkpoint"])
-def test_malicious_pickle_never_runs(workdir, writer, flag):
-    target = workdir / "pwned"
-    payload = {"model": Evil(str(target)), "args": {}}
-    if writer == "torch":
-        torch.save(payload, workdir / "evil.pt")
-    else:
-        with open(workdir / "evil.pt", "wb") as f:
-            pickle.dump(payload, f)
-    out = run_script([flag, "evil.pt", "--no-cuda"], cwd=workdir)
-    assert out.returncode == 2 and "cannot load evil.pt as a safe checkpoint" in out.stderr
-    assert "Traceback" not in out.stderr
-    assert not target.exists()
+def test_malicious_pickle_never_runs(workdir):
+    """torch.save'd and plain pickles, given to --resume and to --eval-checkpoint."""
+    cases = [(writer, flag) for writer in ("torch", "pickle")
+             for flag in ("--resume", "--eval-checkpoint")]
+    for writer, flag in cases:
+        folder = workdir / f"{writer}{flag}"
+        folder.mkdir()
+        payload = {"model": Evil(str(folder / "pwned")), "args": {}}
+        if writer == "torch":
+            torch.save(payload, folder / "evil.pt")
+        else:
+            with open(folder / "evil.pt", "wb") as f:
+                pickle.dump(payload, f)
+    outs = run_scripts([([flag, "evil.pt", "--no-cuda"], workdir / f"{writer}{flag}")
+                        for writer, flag in cases])
+    for (writer, flag), out in zip(cases, outs):
+        assert out.returncode == 2, (writer, flag, out.stderr)
+        assert "cannot load evil.pt as a safe checkpoint" in out.stderr
+        assert "Traceback" not in out.stderr
+        assert not (workdir / f"{writer}{flag}" / "pwned").exists()
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +266,8 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
              (["--resume", os.path.join(run, "agent.pt")], "is a saved agent, not a checkpoint"),
              (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
               "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
-    for args, message in cases:
-        out = run_script([*args, "--no-cuda"], cwd=tmp_path)
+    outs = run_scripts([([*args, "--no-cuda"], tmp_path) for args, _ in cases])
+    for (args, message), out in zip(cases, outs):
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr
     assert sorted(os.listdir(tmp_path)) == ["ale.pt", "six_actions.pt", "truncated.pt"]
@@ -274,9 +281,9 @@ def test_another_network_is_one_line_naming_both_shapes(trained, tmp_path):
     name, tensor = next(iter(state["model"].items()))  # the network's first tensor, whatever it is
     state["model"][name] = torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])
     torch.save(state, tmp_path / "other_network.pt")
-    for flags in (["--resume", "other_network.pt", "--total-timesteps", "256"],
-                  ["--eval-checkpoint", "other_network.pt"]):
-        out = run_script([*flags, "--no-cuda"], cwd=tmp_path)
+    for out in run_scripts([([*flags, "--no-cuda"], tmp_path) for flags in (
+            ["--resume", "other_network.pt", "--total-timesteps", "256"],
+            ["--eval-checkpoint", "other_network.pt"])]):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         (message,) = out.stderr.splitlines()
         theirs, mine = (tensor.shape[0] + 1, *tensor.shape[1:]), tuple(tensor.shape)

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ppo_atari as P
@@ -157,16 +158,28 @@ def test_a_frozen_layer_trains_under_two_processes(tmp_path):
     assert any(moved[k] for k in r0 if k not in frozen), "the other layers did not train"
 
 
-def test_ranks_play_apart_and_average_their_gradients(tmp_path):
-    """Each rank's envs get seeds of their own (the same seeds would play the same games), and
-    the gradient every rank steps with is the mean of the ranks' gradients (not their sum)."""
+@pytest.fixture(scope="module")
+def recorded_pair(tmp_path_factory):
+    """Two hand-launched ranks, one iteration: each records its env seed and its first gradient
+    before and after the mean; rank 0's approx_kl is forced to 0.6 and rank 1's to 0.0 against
+    --target-kl 0.4, and each counts its loss calls."""
     need("main")
-    (tmp_path / "harness.py").write_text(HARNESS)
-    folders = [tmp_path / "node0", tmp_path / "node1"]
+    cwd = tmp_path_factory.mktemp("pair")
+    (cwd / "harness.py").write_text(HARNESS)
+    folders = [cwd / "node0", cwd / "node1"]
     for f in folders:
         f.mkdir()
-    for code, out, err in by_hand(folders, *TINY, "--total-timesteps", "128", env={"RECORD": "1"}):
+    results = by_hand(folders, *TINY, "--total-timesteps", "128", "--target-kl", "0.4",
+                      "--dist-timeout", "30", env={"RECORD": "1", "KL_BY_RANK": "0.6,0.0"})
+    for code, out, err in results:
         assert code == 0, err[-3000:]
+    return folders
+
+
+def test_ranks_play_apart_and_average_their_gradients(recorded_pair):
+    """Each rank's envs get seeds of their own (the same seeds would play the same games), and
+    the gradient every rank steps with is the mean of the ranks' gradients (not their sum)."""
+    folders = recorded_pair
     seeds = [range(s, s + n) for s, n in (map(int, (f / f"seed{r}.txt").read_text().split())
                                           for r, f in enumerate(folders))]
     assert not set(seeds[0]) & set(seeds[1]), f"the ranks' env seeds overlap: {seeds}"
@@ -178,18 +191,9 @@ def test_ranks_play_apart_and_average_their_gradients(tmp_path):
                                        "over ranks (DDP), not the sum")
 
 
-def test_target_kl_is_decided_on_the_mean_over_ranks(tmp_path):
+def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     """Rank 0's approx_kl 0.6 and rank 1's 0.0 against --target-kl 0.4: the mean, 0.3, stops
     no epoch, on both ranks alike (a rank deciding alone would stop while the other goes on,
     and a sum would stop both)."""
-    need("main")
-    (tmp_path / "harness.py").write_text(HARNESS)
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for f in folders:
-        f.mkdir()
-    results = by_hand(folders, *TINY, "--total-timesteps", "128", "--target-kl", "0.4",
-                      "--dist-timeout", "30", env={"KL_BY_RANK": "0.6,0.0"})
-    for code, out, err in results:
-        assert code == 0, err[-3000:]
-    calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(folders)]
+    calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair)]
     assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"

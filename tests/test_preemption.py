@@ -9,7 +9,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, need, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, need, run_dirs, run_script, run_scripts, scalars
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
 
@@ -93,7 +93,7 @@ def worker_pids(parent):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
-    total = 30 * 2 * ITER  # 2 processes: 128 steps an iteration
+    total = 12 * 2 * ITER  # 2 processes: 128 steps an iteration
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "--max-restarts", "1", SCRIPT, *TINY, "--total-timesteps", str(total),
@@ -287,19 +287,18 @@ def killed_at(cwd, kill_at, args=JOB, **env):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(tmp_path):
-    need("main")
-    assert run_script(JOB, cwd=tmp_path).returncode == 0
-    run = str(tmp_path / "runs" / "job")
+def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(instants):
+    folder = instants["start-up, envs made"][0]  # a run the same command finished
+    run = str(folder / "runs" / "job")
     before = listing(run)
     evaluation = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "1",
                   "--no-cuda"]
-    out = killed_at(tmp_path, "call:SummaryWriter:1", args=evaluation)
+    out = killed_at(folder, "call:SummaryWriter:1", args=evaluation)
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    again = run_script(evaluation, cwd=tmp_path)
+    again, training = run_scripts([(evaluation, folder), (JOB, folder)])
     assert again.returncode == 0 and "over 1 game (agent at step 256)" in again.stdout
+    assert "nothing written" in training.stdout
     assert {f: t for f, t in listing(run).items() if f != "eval"} == before
-    assert "nothing written" in run_script(JOB, cwd=tmp_path).stdout
     assert_finished(run)
 
 
