@@ -28,6 +28,7 @@ ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_device
          "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
          "test_preemption.py", "test_distributed.py"]
 
+INSTANT = "test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes"
 MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run first])
     # the loss
     ("entropy bonus sign", "loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss",
@@ -154,10 +155,12 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step",
      "at_stop = False", "test_checkpoint.py"),
     ("a fork's carry is saved", '"recent_returns": list(recent), "carry": carry})',
-     '"recent_returns": list(recent)})', "test_checkpoint.py"),
+     '"recent_returns": list(recent)})',
+     "test_checkpoint.py::test_a_forks_carry_survives_a_resume"),
     ("a fork's carry is restored", 'carry = ckpt.get("carry", {}) if ckpt else {}', "carry = {}",
-     "test_checkpoint.py"),
-    ("observations must be (C, H, W)", "    if len(shape) != 3:", "    if False:", "test_train.py"),
+     "test_checkpoint.py::test_a_forks_carry_survives_a_resume"),
+    ("observations must be (C, H, W)", "    if len(shape) != 3:", "    if False:",
+     "test_train.py::test_observations_that_are_not_channels_first_are_refused_in_one_line"),
     ("explained variance formula",
      'explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)',
      'explained_variance"] = 1 - torch.var(y_pred) / torch.var(y_true)', "test_details.py"),
@@ -166,29 +169,30 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("--target-kl stops the epochs", "            if kl.item() > args.target_kl:",
      "            if False:", "test_details.py"),
     ("--target-kl on the mean over ranks", "                kl /= world_size\n", "",
-     "test_distributed.py"),
+     "test_distributed.py::test_target_kl_is_decided_on_the_mean_over_ranks"),
     ("a resume restores Adam's state", '        optimizer.load_state_dict(ckpt["optimizer"])',
-     "        pass", "test_checkpoint.py"),
+     "        pass", "test_checkpoint.py::test_a_resume_restores_the_optimizer_and_the_rng"),
     ("a resume restores the RNG", '        set_rng_state(ckpt["rng"])', "        pass",
-     "test_checkpoint.py"),
+     "test_checkpoint.py::test_a_resume_restores_the_optimizer_and_the_rng"),
     ("each rank's envs seeded apart", "env_seed = args.seed + rank * args.num_envs + 7919",
-     "env_seed = args.seed + 7919", "test_distributed.py"),
+     "env_seed = args.seed + 7919",
+     "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
     ("gradients averaged over ranks",
      "flat = torch.cat([g.reshape(-1) for g in grads]) / world_size",
-     "flat = torch.cat([g.reshape(-1) for g in grads])", "test_distributed.py"),
+     "flat = torch.cat([g.reshape(-1) for g in grads])",
+     "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
     ("a partial first checkpoint starts again",
-     'set(os.listdir(folder)) - {"checkpoint.pt.tmp"}', "os.listdir(folder)",
-     "test_preemption.py"),
+     'set(os.listdir(folder)) - {"checkpoint.pt.tmp"}', "os.listdir(folder)", INSTANT),
     ("a missing agent.pt is written from the checkpoint", "    if not current:\n",
-     "    if False:\n", "test_preemption.py"),
+     "    if False:\n", INSTANT),
     ("signals caught from the first instant",
      "    stop, old_handlers = catch_stop_signals() if training else ([], {})\n",
-     "    stop, old_handlers = [], {}\n", "test_preemption.py"),
+     "    stop, old_handlers = [], {}\n", INSTANT),
     ("an ignored signal stays ignored",
      "                  if signal.getsignal(s) != signal.SIG_IGN}", "                  if True}",
-     "test_preemption.py"),
+     "test_preemption.py::test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it"),
     ("a signalled start-up stops plainly", "        if not stop:  # while they start",
-     "        if True:  # while they start", "test_preemption.py"),
+     "        if True:  # while they start", INSTANT),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",
@@ -214,14 +218,20 @@ def run_one(source, fragment, replacement, files, timeout, first=None, deselect=
         with open(script, "w") as f:
             f.write(source.replace(fragment, replacement))
         start = time.time()
+        # a detail's own test (file::test) runs alone first: given beside its file, pytest
+        # would run it in the file's order instead
+        runs = [[first]] if first and "::" in first else []
+        runs.append(([first] if first and "::" not in first else []) +
+                    [f for f in files if f != first])
         try:
-            out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
-                                  "no:cacheprovider", "--script", script,
-                                  *[f"--deselect={node}" for node in deselect],
-                                  *[os.path.join("tests", f) for f in
-                                    ([first] if first else []) + [f for f in files if f != first]]],
-                                 cwd=tmp,
-                                 capture_output=True, text=True, timeout=timeout)
+            for tests in runs:
+                out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                                      "no:cacheprovider", "--script", script,
+                                      *[f"--deselect={node}" for node in deselect],
+                                      *[os.path.join("tests", f) for f in tests]],
+                                     cwd=tmp, capture_output=True, text=True, timeout=timeout)
+                if out.returncode != 0:
+                    break
             verdict = "CAUGHT" if out.returncode == 1 else "MISSED" if out.returncode == 0 else \
                 f"ERROR (pytest exit {out.returncode})"
             failed = [ln for ln in out.stdout.splitlines() if ln.startswith("FAILED ")]
