@@ -593,9 +593,13 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
     path = args.eval_checkpoint
     state = load_checkpoint(path)
-    env_id, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
-    if "env_id" in explicit and args.env_id != env_id:
-        fail(f"{path} was trained on {env_id}, not {args.env_id}; drop --env-id")
+    trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
+    # another id of the same game plays the same ROM and action set: ALE/Game-v5 scores a
+    # NoFrameskip-v4 agent under sticky actions (Machado et al. 2018's protocol)
+    env_id = args.env_id if "env_id" in explicit else trained
+    if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
+        fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
+             f"the same game")
     video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
     eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
     envs = make_envs(eval_args, args.seed, video, every_game=True)
@@ -603,7 +607,8 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     agent = agent.to(device, memory_format=torch.channels_last)
     load_agent(agent, state, path, env_id)
     # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
-    events = os.path.join(run_dir, "eval", f"step{step}-seed{args.seed}-{int(time.time())}")
+    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
+    events = os.path.join(run_dir, "eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
     print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
                                                          if video else ""), flush=True)
     writer = SummaryWriter(events)
@@ -1005,12 +1010,6 @@ def main(args: Args, explicit: set[str] | None = None):
     stop, old_handlers = catch_stop_signals() if training else ([], {})
     try:
         return train(args, explicit, stop)
-    except Exception as e:  # a signal to the process group also reaches the async workers
-        if not stop:  # while they start, before they ignore it, and kills them: stop plainly
-            raise
-        print(f"stopped by {signal.Signals(stop[0]).name} during start-up ({type(e).__name__}: "
-              f"{str(e)[:100]}); the same command continues the run", file=sys.stderr)
-        raise SystemExit(128 + stop[0])
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
@@ -1054,7 +1053,14 @@ def train(args: Args, explicit: set[str] | None, stop: list):
     run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
         f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
     backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
-    envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
+    try:
+        envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
+    except Exception as e:  # a signal to the process group also reaches the async workers
+        if not stop:  # while they start, before they ignore it, and kills them: stop plainly
+            raise
+        print(f"stopped by {signal.Signals(stop[0]).name} during start-up ({type(e).__name__}: "
+              f"{str(e)[:100]}); the same command continues the run", file=sys.stderr)
+        raise SystemExit(128 + stop[0])
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
     recent = collections.deque(ckpt["recent_returns"] if ckpt else [], maxlen=100)
     # a fork's own state carried across iterations (a penalty coefficient, a running statistic;

@@ -320,6 +320,29 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert len(os.listdir(os.path.join(run, "eval"))) == 2
 
 
+def test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions(trained):
+    """ALE/Breakout-v5 plays a BreakoutNoFrameskip-v4 agent with sticky actions 0.25 (Machado et
+    al. 2018's protocol) and the same 4-frame skip, and its evaluation is logged apart."""
+    need("env thunk")
+    cwd, run = trained
+    env = P.make_env("ALE/Breakout-v5", 1)()
+    env.reset(seed=1)
+    ale = env.unwrapped.ale
+    frames = ale.getEpisodeFrameNumber()
+    env.step(0)
+    assert ale.getFloat("repeat_action_probability") == 0.25
+    assert ale.getEpisodeFrameNumber() - frames == 4, "v5's own frame skip must be off"
+    env.close()
+    out = run_script(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--env-id",
+                      "ALE/Breakout-v5", "--eval-episodes", "1", "--no-cuda"], cwd=cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ALE/Breakout-v5: " in out.stdout and "over 1 game (agent at step 128)" in out.stdout
+    (folder,) = [f for f in os.listdir(os.path.join(run, "eval")) if "v5" in f]
+    assert folder.startswith("ALE-Breakout-v5-step128-seed1-")
+    logged = scalars(os.path.join(run, "eval", folder))
+    assert [s for s, _ in logged["eval/episodic_return"]] == [1]
+
+
 def test_sigterm_checkpoints_and_a_second_ctrl_c_exits_at_once(tmp_path):
     procs = {}
     # "twice" has iterations of 256 steps x 2 envs (over a second), so that its second Ctrl-C,

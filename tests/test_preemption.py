@@ -155,7 +155,8 @@ def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker
 # KILL_AT = "rename:FILE:N": the N-th write of FILE, its temporary file half written and not yet
 # renamed; "call:NAME:N": the moment the N-th call of the file's NAME has returned. SIGNAL names
 # the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
-# Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped.
+# Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped;
+# THEN_RAISE=1 makes that call raise a RuntimeError once the signal is sent.
 KILLER = """
 import importlib.util, os, signal, sys
 import gymnasium as gym
@@ -198,6 +199,8 @@ else:
     def call(*a, **kw):
         out = real(*a, **kw)
         hit()
+        if os.environ.get("THEN_RAISE") and len(seen) == int(nth):
+            raise RuntimeError("a bug after the signal")
         return out
     setattr(P, name, call)
 P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
@@ -285,6 +288,16 @@ def killed_at(cwd, kill_at, args=JOB, **env):
     proc = killer(cwd, kill_at, args, **env)
     out, err = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
+    """A signal mid-run asks for a stop at the end of the iteration; an error before then is a
+    bug of its own, shown with its traceback, not taken for a signalled start-up."""
+    need("rollout")
+    out = killed_at(tmp_path, "call:rollout:2", SIGNAL="SIGTERM", THEN_RAISE="1")
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" in out.stderr and "RuntimeError: a bug after the signal" in out.stderr
+    assert "during start-up" not in out.stderr
 
 
 def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(instants):
