@@ -1,11 +1,15 @@
 """The command line: --help is clean, bad input fails with one line, exit 2, and nothing on disk."""
 import os
+import py_compile
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import SCRIPT
+from conftest import SCRIPT, is_repository_file
+
+FORKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forks")
 
 
 def test_help_is_clean_with_user_warnings_as_errors(tmp_path):
@@ -74,3 +78,17 @@ def test_the_removed_ale_backend_is_an_invalid_choice(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "invalid choice 'ale' for argument '--env-backend'" in out.stderr
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("fork", sorted(f for f in os.listdir(FORKS) if f.endswith(".diff")))
+def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
+    """README's fork table links these diffs (`patch ppo_atari.py tests/forks/lstm.diff`): each
+    applies to the file as it is now, and the copy it makes compiles."""
+    if not is_repository_file():
+        pytest.skip("the example forks are diffs of the repository's ppo_atari.py, not of a copy")
+    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
+    out = subprocess.run(["git", "apply", "-p0", os.path.join(FORKS, fork)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"{fork} no longer applies: {out.stderr}"
+    assert open(tmp_path / "ppo_atari.py").read() != open(SCRIPT).read()
+    py_compile.compile(str(tmp_path / "ppo_atari.py"), doraise=True)
