@@ -11,7 +11,9 @@ A curve is charts/avg_episodic_return (the mean of the last 100 finished games) 
 agent step, read from each run folder's events (TensorBoard's view: events after a resumed
 checkpoint are purged) or from a CSV file this script exported. The CSV files hold one row per
 25 iterations, the last iteration before each budget below, and the last one: step,
-avg_return_last100, games (the games finished by then); each
+avg_return_last100, games (the games finished by then), training_seconds (the sum of the
+iterations' rollout and update times so far: the run's compute time, without start-ups or the
+time it was stopped); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv).
 
 One panel per game: each curve, and the published points at the same budgets, each marked with
@@ -52,16 +54,22 @@ PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
                  "baselines ppo2, 3 seeds": {10_000_000: 406.57}},
 }
 RANDOM = {"Pong": -20.7, "Breakout": 1.7}  # Mnih et al. 2015
-COLUMNS = ["step", "avg_return_last100", "games"]
+COLUMNS = ["step", "avg_return_last100", "games", "training_seconds"]
 EVERY = 25  # iterations per CSV row
 
 
 def from_run(run: str) -> np.ndarray:
-    """(rows, 3): step, mean of the last 100 games, games finished, at every iteration."""
+    """(rows, 4): step, mean of the last 100 games, games finished, and the seconds of training
+    so far (the sum of each iteration's rollout and update time: no start-up, no time stopped),
+    at every iteration."""
     logged = scalars(run)
     avg = logged.get("charts/avg_episodic_return", [])
     ends = np.array([s for s, _ in logged.get("charts/episodic_return", [])])
-    return np.array([(s, v, int((ends <= s).sum())) for s, v in avg]).reshape(-1, 3)
+    times = [(s, r + u) for (s, r), (_, u) in zip(logged.get("charts/rollout_time", []),
+                                                 logged.get("charts/update_time", []))]
+    steps, seconds = np.array([s for s, _ in times]), np.cumsum([t for _, t in times])
+    return np.array([(s, v, int((ends <= s).sum()), seconds[steps <= s][-1] if (steps <= s).any()
+                      else 0.0) for s, v in avg]).reshape(-1, 4)
 
 
 def export(run: str, folder: str) -> str:
@@ -70,11 +78,12 @@ def export(run: str, folder: str) -> str:
     keep |= {int(np.searchsorted(rows[:, 0], b, side="right")) - 1 for b in BUDGETS
              if len(rows) and rows[-1, 0] >= b}  # the last iteration before each budget
     keep = sorted(keep)
+    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{os.path.basename(run.rstrip('/'))}.csv")
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(COLUMNS)
-        out.writerows([int(r[0]), f"{r[1]:.3f}", int(r[2])] for r in rows[keep])
+        out.writerows([int(r[0]), f"{r[1]:.3f}", int(r[2]), f"{r[3]:.0f}"] for r in rows[keep])
     return path
 
 
@@ -137,6 +146,16 @@ def main():
                          for c in columns]
                 print(f"| {game} | {plan}, mean ± std of {len(group)} | | " +
                       " | ".join(m or "-" for m in means) + " |")
+    timed = {name: rows for name, rows in curves.items() if rows.shape[1] > 3 and rows[-1, 3]}
+    if timed:  # steps/s overall, and the median over the stretches between rows (a stretch
+        # the run spent stopped or beside heavier work moves the first, hardly the second)
+        print("\n| run | last step | hours of training | steps/s | median steps/s |")
+        print("|---|---|---|---|---|")
+        for name, rows in timed.items():
+            stretches = np.diff(rows[:, 0]) / np.maximum(np.diff(rows[:, 3]), 1e-9)
+            median = f"{np.median(stretches):.0f}" if len(stretches) else "-"
+            print(f"| {name} | {int(rows[-1, 0]):,} | {rows[-1, 3] / 3600:.2f} | "
+                  f"{rows[-1, 0] / rows[-1, 3]:.0f} | {median} |")
     if a.out:
         plot(curves, a.out, a.until)
 
