@@ -193,6 +193,15 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_preemption.py::test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it"),
     ("a signalled start-up stops plainly", "        if not stop:  # while they start",
      "        if True:  # while they start", INSTANT),
+    ("a crash after a mid-run signal keeps its traceback",
+     "        return train(args, explicit, stop)\n    finally:\n",
+     "        return train(args, explicit, stop)\n    except Exception:\n        if not stop:\n"
+     "            raise\n        raise SystemExit(128 + stop[0])\n    finally:\n",
+     "test_preemption.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback"),
+    ("evaluation on another id of the agent's game",
+     '    env_id = args.env_id if "env_id" in explicit else trained\n',
+     "    env_id = trained\n",
+     "test_checkpoint.py::test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",
