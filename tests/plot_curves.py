@@ -14,7 +14,9 @@ checkpoint are purged) or from a CSV file this script exported. The CSV files ho
 avg_return_last100, games (the games finished by then), training_seconds (the sum of the
 iterations' rollout and update times so far: the run's compute time, without start-ups or the
 time it was stopped); each
-file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv).
+file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv;
+a suffix after the seed, as in breakout-10M-seed1-lost.csv, keeps the seed). The mean over
+seeds takes one run per seed: pass one file per seed.
 
 One panel per game: each curve, and the published points at the same budgets, each marked with
 its source: CleanRL's ppo_atari.py docs figures (values read off the plotted curves) and SB3
@@ -137,9 +139,16 @@ def main():
             "-" if c is None else f"{c:.1f}" for c in cells[name]) + " |")
     for game in PUBLISHED:  # several seeds of one plan: mean and std where all reached a budget
         names = [n for n in cells if game_of(n) == game]
-        plans = {re.sub(r"seed\d+", "seed*", n) for n in names}
-        for plan in sorted(plans):
-            group = [cells[n] for n in names if re.sub(r"seed\d+", "seed*", n) == plan]
+        plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-lost: seed 1
+        for plan in sorted(set(plan_of.values())):
+            members = [n for n in names if plan_of[n] == plan]
+            seeds = [re.search(r"seed(\d+)", n).group(1) for n in members if "seed" in n]
+            twice = sorted({s for s in seeds if seeds.count(s) > 1})
+            if twice:
+                print(f"| {game} | {plan}: no mean, seed {', '.join(twice)} has several runs "
+                      f"({', '.join(members)}); pass one file per seed | |")
+                continue
+            group = [cells[n] for n in members]
             if len(group) > 1:
                 columns = [[g[i] for g in group] for i in range(len(budgets))]
                 means = [None if None in c else f"{np.mean(c):.1f} ± {np.std(c):.1f}"
