@@ -142,7 +142,7 @@ def main():
         plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-lost: seed 1
         for plan in sorted(set(plan_of.values())):
             members = [n for n in names if plan_of[n] == plan]
-            seeds = [re.search(r"seed(\d+)", n).group(1) for n in members if "seed" in n]
+            seeds = [m.group(1) for m in map(re.compile(r"seed(\d+)").search, members) if m]
             twice = sorted({s for s in seeds if seeds.count(s) > 1})
             if twice:
                 print(f"| {game} | {plan}: no mean, seed {', '.join(twice)} has several runs "
