@@ -9,7 +9,7 @@ details of record (openai/baselines ppo2, CleanRL), resumable, and runnable unde
 
 Top to bottom: Args, the Atari wrappers, the network, pure helpers (GAE, loss, checkpoints), the
 phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, train.
-Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0.
+Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0-5.1.
 """
 import atexit
 import collections
