@@ -23,6 +23,7 @@ import random
 import shlex
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -785,17 +786,39 @@ def choose_device(args: Args, local_rank: int, local_processes: int):
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
-    """init_process_group through torchrun's store, under a prefix of its own for each restart:
-    workers restarted by `torchrun --max-restarts` would otherwise read the dead round's peer
-    addresses from the same store and wait on them. Every wait is bounded by timeout_s."""
+    """init_process_group through torchrun's store, under a prefix of its own for each start of
+    the workers: restarted workers would otherwise read the dead ones' addresses from the same
+    store and wait on them. torchrun counts restarts per node, so rank 0 numbers the starts
+    (a generation) and beats while it joins: the others join the generation whose rank 0 is
+    alive (every worker of an earlier start is dead). Every wait is bounded by timeout_s."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"ppo_atari/restart{restart}", store),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store, joined = dist.TCPStore(*address, is_master=False, timeout=timeout), threading.Event()
+    if rank == 0:
+        generation = store.add("ppo_atari/generation", 1)
+        store.set("ppo_atari/open", str(generation))
+        beats = dist.TCPStore(*address, is_master=False, timeout=timeout)  # its own connection
+
+        def beat():  # until rank 0 has joined, which is after every other rank has
+            while not joined.wait(0.1):
+                beats.add(f"ppo_atari/beat{generation}", 1)
+        threading.Thread(target=beat, daemon=True).start()
+    else:
+        for _ in range(max(1, timeout_s * 2)):  # rank 0's beat advances within 0.5 s
+            generation = int(store.get("ppo_atari/open"))
+            before = store.add(f"ppo_atari/beat{generation}", 0)
+            time.sleep(0.5)
+            if store.add(f"ppo_atari/beat{generation}", 0) > before:
+                break
+        else:
+            raise RuntimeError(f"rank 0 did not start within --dist-timeout {timeout_s} s")
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=dist.PrefixStore(f"ppo_atari/generation{generation}", store))
+    finally:
+        joined.set()
 
 
 def ensure_agent_file(ckpt: dict, finished: bool) -> bool:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, need, run_dirs, run_script, run_scripts, scalars
+from conftest import SCRIPT, TINY, free_port, need, run_dirs, run_script, run_scripts, scalars
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
 
@@ -121,6 +121,47 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
     one = run_script([*TINY, "--total-timesteps", str(2 * total), "--run-name", "elastic"],
                      cwd=tmp_path)
     assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
+
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
+    """Two torchrun agents as two nodes, each in its own folder: the node whose worker dies
+    counts a restart and the other need not (TORCHELASTIC_RESTART_COUNT differs), yet the
+    restarted workers must join one group at once and finish the run from its checkpoint."""
+    total, port = 12 * 2 * ITER, free_port()
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    agents = []
+    for folder in folders:
+        folder.mkdir()
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+             "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+             "--max-restarts", "1", SCRIPT, *TINY, "--total-timesteps", str(total),
+             "--checkpoint-interval", "3", "--run-name", "mn", "--dist-timeout", "60"],
+            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")))
+    deadline, ranks = time.time() + 200, {}
+    while time.time() < deadline and len(ranks) < 2:  # which agent's worker is rank 0
+        ranks = {r: (agent, pid) for agent in agents for r, pid in worker_pids(agent.pid).items()}
+        time.sleep(0.2)
+    first, other = ranks[0][0], ranks[1]
+    run = os.path.join(folders[agents.index(first)], "runs", "mn")
+    while time.time() < deadline:  # the first periodic checkpoint (iteration 3)
+        path = os.path.join(run, "checkpoint.pt")
+        if os.path.exists(path) and P.load_checkpoint(path)["iteration"] >= 3:
+            break
+        time.sleep(0.2)
+    os.kill(other[1], signal.SIGKILL)  # the worker of the node that holds rank 1
+    outs = [agent.communicate(timeout=300)[0] for agent in agents]
+    for agent, out in zip(agents, outs):
+        assert agent.returncode == 0, out[-3000:]
+    assert all("init_process_group" not in out for out in outs), "a restarted worker failed " \
+        "to join the group (and spent a restart)"
+    assert "continuing" in outs[agents.index(first)], "the restarted workers did not continue"
+    assert P.load_checkpoint(run)["global_step"] == total
+    steps = [s for s, _ in scalars(run)["charts/SPS"]]
+    assert steps == list(range(2 * ITER, total + 1, 2 * ITER)), "repeated or missing iterations"
 
 
 TRAINER_IN_A_CHILD = """
