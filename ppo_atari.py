@@ -569,19 +569,35 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
-def rng_state() -> dict:
+def map_tensors(obj, fn):
+    """obj (nested dicts, lists and tuples) with fn applied to every tensor in it."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def on_host(state):
+    """Files hold CPU tensors only: a plain torch.load works on a machine without the GPU."""
+    return map_tensors(state, lambda t: t.detach().cpu())
+
+
+def rng_state(device: torch.device) -> dict:
     """The generators the trainer draws from (action samples, minibatch order): torch's CPU RNG
-    and the CUDA RNG of the training device only (another allocation may have fewer GPUs)."""
+    and, on CUDA only, the training device's (a CPU run never initializes CUDA)."""
     return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def set_rng_state(state: dict):
+def set_rng_state(state: dict, device: torch.device):
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda  # older: one per GPU
-    if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda)  # the current device, the one this process trains on
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def shown_path(path: str) -> str:
@@ -958,7 +974,7 @@ def build(args: Args, ckpt: dict | None, rank: int, device, backend: str, run_di
     if ckpt is not None:
         load_agent(agent, ckpt, args.resume, args.env_id)
         optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"], device)
         if rank > 0:
             torch.manual_seed(args.seed + rank + 7919 * start_iteration)
     if dist.is_initialized():  # identical weights and buffers everywhere
@@ -991,10 +1007,11 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, device_line: str, save
 
 def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent,
              carry: dict):
-    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
+    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
-        "rng": rng_state(), "recent_returns": list(recent), "carry": carry})
+        "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
+        "carry": carry}))
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool,
@@ -1002,7 +1019,7 @@ def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool
     """agent.pt: the latest weights and their arguments (finished: the run reached
     --total-timesteps), then where the run is and, if it stopped early, how to go on."""
     save_checkpoint(os.path.join(run_dir, "agent.pt"), {
-        "model": agent.state_dict(), "args": dataclasses.asdict(args),
+        "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
         "global_step": global_step, "finished": finished})
     shown = shown_path(run_dir)
     resume = shlex.join([sys.executable, sys.argv[0], "--resume", shown])
@@ -1089,7 +1106,7 @@ def train(args: Args, explicit: set[str] | None, stop: list):
     # a fork's own state carried across iterations (a penalty coefficient, a running statistic;
     # tensors and plain types): give it its first value here, and checkpoints save it and a
     # resume restores it; update passes it to the loss
-    carry = ckpt.get("carry", {}) if ckpt else {}
+    carry = map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)) if ckpt else {}
     # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:

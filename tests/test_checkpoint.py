@@ -39,7 +39,8 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     sum((p ** 2).sum() for p in agent.parameters()).backward()  # any gradient: Adam has state
     opt.step()
     state = {"model": agent.state_dict(), "optimizer": opt.state_dict(), "args": {"seed": 1},
-             "global_step": 1234, "iteration": 7, "rng": P.rng_state(), "recent_returns": [1.0]}
+             "global_step": 1234, "iteration": 7, "rng": P.rng_state(torch.device("cpu")),
+             "recent_returns": [1.0]}
     expected = torch.rand(3)
     path = str(tmp_path / "checkpoint.pt")
     P.save_checkpoint(path, state)
@@ -50,7 +51,7 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
         assert torch.equal(loaded["model"][k], v), k
     exp_avg = loaded["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
-    P.set_rng_state(loaded["rng"])
+    P.set_rng_state(loaded["rng"], torch.device("cpu"))
     assert torch.equal(expected, torch.rand(3)), "the action/minibatch RNG was not restored"
     assert not os.path.exists(path + ".tmp")
 
@@ -71,9 +72,9 @@ def test_cuda_rng_of_more_gpus_than_this_node_has_still_resumes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.ones(4))
     states = [torch.full((4,), float(i)) for i in range(3)]
-    P.set_rng_state({"torch": torch.get_rng_state(), "cuda": states})
+    P.set_rng_state({"torch": torch.get_rng_state(), "cuda": states}, torch.device("cuda"))
     assert len(restored) == 1 and torch.equal(restored[0], states[0])
-    saved = P.rng_state()  # the training device's state only, not one per GPU
+    saved = P.rng_state(torch.device("cuda"))  # the training device's state only, not one per GPU
     assert torch.equal(saved["cuda"], torch.ones(4))
 
 
@@ -468,3 +469,55 @@ def test_a_resume_restores_the_optimizer_and_the_rng(workdir, monkeypatch):
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(state[k][name]),
                                torch.as_tensor(restored[k][name])), f"Adam's {name} restarted"
+
+
+def test_a_cpu_run_never_initializes_cuda(workdir, monkeypatch):
+    """--no-cuda on a machine with a GPU: training, a resume and an evaluation leave CUDA alone
+    (each CPU seed or gloo rank would otherwise hold ~0.5 GB of GPU 0, and a GPU in
+    exclusive-process mode would refuse the second)."""
+    need("main", "checkpoint")
+
+    def untouchable(name):
+        def call(*a, **kw):
+            raise AssertionError(f"a --no-cuda run called torch.cuda.{name}")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("_lazy_init", "init", "get_rng_state", "set_rng_state", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, untouchable(name))
+    P.main(tiny_args(total_timesteps=192, stop_at_step=64, run_name="cpu"))
+    P.main(tiny_args(total_timesteps=192, run_name="cpu"))
+    assert P.load_checkpoint("runs/cpu")["global_step"] == 192
+    P.main(P.Args(eval_checkpoint="runs/cpu/agent.pt", eval_episodes=1, cuda=False))
+
+
+class Foreign(torch.Tensor):
+    """Stands for a tensor on another device: .cpu() is what brings it to the host."""
+
+    def cpu(self, *a, **kw):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch):
+    """A CUDA run's files load with a plain torch.load on a laptop: every tensor in them (the
+    weights, Adam's state, a fork's carry) was brought to the host before saving."""
+    need("checkpoint")
+    agent = P.Agent(OBS, 4)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
+    sum((p ** 2).sum() for p in agent.parameters()).backward()
+    opt.step()
+    foreign = lambda state: P.map_tensors(state, lambda t: t.as_subclass(Foreign))  # noqa: E731
+    real_agent_state, real_opt_state = agent.state_dict, opt.state_dict
+    monkeypatch.setattr(agent, "state_dict", lambda: foreign(real_agent_state()))
+    monkeypatch.setattr(opt, "state_dict", lambda: foreign(real_opt_state()))
+    written = {}
+    monkeypatch.setattr(P, "save_checkpoint", lambda path, state: written.update({
+        os.path.basename(path): state}))
+    P.save_run("run", agent, opt, tiny_args(), 64, 1, [], {"buffer": torch.ones(2).as_subclass(
+        Foreign)})
+    P.save_agent("run", agent, tiny_args(), 64, False, None)
+    assert set(written) == {"checkpoint.pt", "agent.pt"}
+    for name, state in written.items():
+        kinds = []
+        P.map_tensors(state, lambda t: kinds.append(type(t).__name__))
+        assert kinds and set(kinds) == {"Tensor"}, f"{name} holds tensors left on the device"
