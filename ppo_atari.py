@@ -1015,14 +1015,18 @@ def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, itera
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool,
-               stopped_by: str | None):
+               stopped_by: str | None, world_size: int = 1, local_processes: int = 1):
     """agent.pt: the latest weights and their arguments (finished: the run reached
-    --total-timesteps), then where the run is and, if it stopped early, how to go on."""
+    --total-timesteps), then where the run is and, if it stopped early, how to go on (under
+    torchrun, with as many processes: a checkpoint continues with the world that wrote it)."""
     save_checkpoint(os.path.join(run_dir, "agent.pt"), {
         "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
         "global_step": global_step, "finished": finished})
     shown = shown_path(run_dir)
-    resume = shlex.join([sys.executable, sys.argv[0], "--resume", shown])
+    nodes = world_size // local_processes
+    launcher = [sys.executable] if world_size == 1 else ["torchrun", *(
+        ["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc_per_node", str(local_processes)]
+    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown])
     print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
     if stopped_by == "signal":
         print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
@@ -1072,8 +1076,10 @@ def train(args: Args, explicit: set[str] | None, stop: list):
     ckpt = None
     if args.eval_checkpoint is None:
         args, ckpt = agree_on_run(args, explicit, rank, world_size)
-        if args is None:
-            return None  # nothing to train: complete, or past --stop-at-step
+        if args is None:  # nothing to train: complete, or past --stop-at-step
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return None
     if args.track and importlib.util.find_spec("wandb") is None:
         fail("--track needs wandb, which is not installed: pip install wandb")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
@@ -1168,7 +1174,8 @@ def train(args: Args, explicit: set[str] | None, stop: list):
     close(envs, writer)
     if rank == 0:
         save_agent(run_dir, agent, args, global_step, iteration == num_iterations,
-                   "signal" if stopped else "--stop-at-step" if at_stop else None)
+                   "signal" if stopped else "--stop-at-step" if at_stop else None, world_size,
+                   local_processes)
     if stopped:
         raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
     return agent

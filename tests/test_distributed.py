@@ -1,5 +1,6 @@
 """The same file under torchrun, or launched by hand: 2 CPU processes with gloo."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its loss calls
         return loss, metrics | {"approx_kl": torch.tensor(kl)}
     P.minibatch_loss = minibatch_loss
 agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+open(f"group{rank}.txt", "w").write(str(torch.distributed.is_initialized()))
 if agent is not None:
     torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")
 """
@@ -197,3 +199,24 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     and a sum would stop both)."""
     calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair)]
     assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"
+
+
+def test_a_stop_under_torchrun_prints_a_torchrun_resume_line_that_finishes(tmp_path):
+    """--stop-at-step under torchrun: the printed line relaunches 2 processes (a plain python
+    line would be refused by the world-size check); it finishes the run, and once more it has
+    nothing to train and each rank leaves its process group destroyed."""
+    (tmp_path / "harness.py").write_text(HARNESS)
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "384", "--stop-at-step", "128")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
+    command = shlex.split(line.split(" with: ", 1)[1])
+    assert command[:3] == ["torchrun", "--nproc_per_node", "2"], line
+    assert command[3].endswith("harness.py") and command[4] == "--resume", line
+    for _ in range(2):  # the rest of the run, then nothing left to train
+        out = torchrun(tmp_path, *command[4:])
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [(tmp_path / f"group{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2, \
+            "a rank returned with its process group still initialized"
+    (run,) = run_dirs(tmp_path)
+    assert P.load_checkpoint(run)["global_step"] == 384
+    assert "is already complete" in out.stdout
