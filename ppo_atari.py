@@ -385,12 +385,14 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
+    # copy=False: the rollout copies each observation into its staging buffer at once
     if trainer:  # spawn: a forked CUDA context or NCCL group is not safe
-        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn")
+        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn",
+                                         copy=False)
         # the workers ignore SIGTERM (see make_env), so a trainer that crashes kills them itself
         atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
     else:
-        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step)
+        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
     shape = envs.single_observation_space.shape
     if len(shape) != 3:  # storage and the network take (C, H, W) frames, channels first
         envs.close()
@@ -676,10 +678,14 @@ def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_ste
         storage["obs"][step] = next_obs
         with torch.inference_mode(), autocast:
             action, logprob, _, value = policy(next_obs)
+        # sync point, the only one per step: the envs need the actions on the host
+        actions_np = action.cpu().numpy()
+        if hasattr(envs, "step_async"):  # async: the workers step while storage is written
+            envs.step_async(actions_np)
         storage["actions"][step], storage["logprobs"][step] = action, logprob
         storage["values"][step] = value
-        # sync point, the only one per step: the envs need the actions on the host
-        next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
+        next_obs_np, reward, terminated, truncated, infos = envs.step_wait() if hasattr(
+            envs, "step_async") else envs.step(actions_np)
         storage["rewards"][step] = torch.from_numpy(reward)
         storage["dones"][step] = torch.from_numpy(terminated | truncated)
         # staging is pinned on CUDA (a DMA copy); refilling it next step is safe: that step's

@@ -1,5 +1,5 @@
 """Speed benchmark (not collected by pytest): python tests/benchmark.py [--rounds 2]
-    python tests/benchmark.py --configs default --compare old_ppo_atari.py   # old vs new file
+    python tests/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
     python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
@@ -12,8 +12,8 @@ reach; the last column shows SPS as a fraction of that turn-taking ceiling.
 
 `plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
 observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
-subprocess and read its TensorBoard timings; `--compare FILE` adds a row running FILE with default
-flags, and `--script FILE` benchmarks that copy instead of the repository's. All rows run in one
+subprocess and read its TensorBoard timings; `--compare FILE` adds a row running FILE with the
+first configuration's flags, and `--script FILE` benchmarks that copy instead of the repository's. All rows run in one
 invocation: `--rounds` passes over the configurations in turn, so that a slow spell of a noisy
 machine hits every row; each figure is the median over rounds, and every round's SPS is printed.
 With --cuda it also counts the host syncs of one rollout (torch.cuda.set_sync_debug_mode).
@@ -250,7 +250,7 @@ def main():
     parser.add_argument("--cuda", action="store_true", help="benchmark on CUDA")
     parser.add_argument("--num-envs", type=int, default=8, help="envs (8 is the default)")
     parser.add_argument("--script", default=SCRIPT, help="the copy of ppo_atari.py to benchmark")
-    parser.add_argument("--compare", help="another copy, run with default flags as a row")
+    parser.add_argument("--compare", help="another copy, a row with the first config's flags")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -276,8 +276,10 @@ def main():
     if a.cuda:
         sync_worker(a.num_envs, device)
     if a.compare:
-        CONFIGS[f"default ({os.path.basename(a.compare)})"] = ["--script", a.compare]
-        a.configs += f",default ({os.path.basename(a.compare)})"
+        first = a.configs.split(",")[0]
+        CONFIGS[f"{first} ({os.path.basename(a.compare)})"] = ["--script", a.compare,
+                                                              *(CONFIGS[first] or [])]
+        a.configs += f",{first} ({os.path.basename(a.compare)})"
     print(f"{a.rounds} rounds; each figure is the median over rounds; file: {SCRIPT}")
     print("| config | SPS | x plain | rollout s/iter | update s/iter | peak RSS MiB | "
           "compute-only SPS | SPS / bound | env-only SPS | SPS / ceiling | SPS per round |")
@@ -310,13 +312,13 @@ def measure(name, a, batch):
             times = json.load(open(out))["times"]
         else:
             flags, script = CONFIGS[name], a.script
-            if flags[:1] == ["--script"]:  # --compare: another file, default flags
-                flags, script = [], os.path.abspath(flags[1])
+            if flags[:1] == ["--script"]:  # --compare: another file, the first config's flags
+                flags, script = flags[2:], os.path.abspath(flags[1])
             rss = run_child([sys.executable, script, *flags, "--num-envs", str(a.num_envs),
                              "--total-timesteps", str(batch * a.iterations)]
                             + ([] if a.cuda else ["--no-cuda"]), tmp)
             times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
-        bound_name = name if name in CONFIGS and CONFIGS[name][:1] != ["--script"] else "default"
+        bound_name = name.split(" (")[0]
         run_child(me + ["--worker", bound_name], tmp)
         bound = json.load(open(out))["times"]
         run_child(me + ["--worker", "env:" + bound_name], tmp)

@@ -46,7 +46,8 @@ def main():
     parser.add_argument("--new-tag", action="append", default=[],
                         help="a tag only the new file logs, on purpose (repeatable)")
     parser.add_argument("extra", nargs="*", help="more flags for both runs (after --)")
-    a = parser.parse_args()
+    a, unknown = parser.parse_known_args()  # flags after -- or unknown here go to both runs
+    a.extra += [f for f in unknown if f != "--"]
     flags, per_iteration = CONFIGS[a.config]
     flags = [*flags, "--total-timesteps", str(a.iterations * per_iteration), "--seed",
              str(a.seed), *a.extra]
