@@ -1,14 +1,16 @@
 """PPO on Atari in one file: the clipped-surrogate PPO of Schulman et al. (2017) with the Atari
 details of record (openai/baselines ppo2, CleanRL), resumable, and runnable under torchrun.
 
-    python ppo_atari.py --env-id BreakoutNoFrameskip-v4          # train, CUDA if available
-    tensorboard --logdir runs                                    # watch
-    python ppo_atari.py --run-name NAME                          # the same command continues
-    python ppo_atari.py --eval-checkpoint runs/<run>/agent.pt    # score a saved agent
-    torchrun --nproc_per_node 2 ppo_atari.py                     # several processes/GPUs
+    python ppo_atari.py --env-id BreakoutNoFrameskip-v4 --run-name NAME  # again: it continues
+    tensorboard --logdir runs                                            # watch
+    python ppo_atari.py --eval-checkpoint runs/NAME/agent.pt             # score a saved agent
+    torchrun --nproc_per_node 2 ppo_atari.py                             # several processes/GPUs
 
-Top to bottom: Args, the Atari wrappers, the network, pure helpers (GAE, loss, checkpoints), the
-phases of an iteration (rollout, make_batch, update, summarize, log_iteration), setup, train.
+Above THE FENCE (a marked line halfway down): the PPO a fork edits, in CleanRL's order: Args,
+the Atari wrappers, the network, GAE and the loss, the phases of an iteration (rollout,
+make_batch, update, summarize, log_iteration) and train, the loop. Below it, what a fork leaves
+alone: argument checks, torchrun, checkpoint files, run folders and resume, signals,
+evaluation, videos and main. Python looks names up when called, so the loop calls below it.
 Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0-5.1.
 """
 import atexit
@@ -18,6 +20,7 @@ import datetime
 import difflib
 import gc
 import importlib.util
+import multiprocessing.resource_tracker
 import os
 import random
 import shlex
@@ -28,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-# Before torch loads OpenMP: idle threads sleep instead of spinning, so that a second training on
-# the same cores does not collapse (2 cores: 270 SPS for two trainings spinning, 757 sleeping)
+# Before torch loads OpenMP: idle threads sleep instead of spinning, so that trainings sharing
+# cores (several seeds on one machine) do not starve each other
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import ale_py  # noqa: E402  (importing registers the Atari ids; the ROMs ship in the wheel)
 import cv2  # noqa: E402
@@ -48,14 +51,12 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every
 @dataclass
 class Args:
     """PPO on Atari (one file, CleanRL style). Each run writes TensorBoard logs, checkpoint.pt and
-    agent.pt to runs/<run>/ (see --run-name); continue a stopped run with --resume runs/<run>;
-    score a saved agent with --eval-checkpoint runs/<run>/agent.pt."""
+    agent.pt to runs/<run>/; the same command with --run-name continues a stopped run."""
 
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run folder's name)"""
     run_name: str | None = None
-    """the run folder is runs/RUN_NAME; when it holds a checkpoint, the same command continues
-    it (after a preemption or a torchrun restart); None: {env_id}__{exp_name}__{seed}__{time}"""
+    """the run folder runs/RUN_NAME, which the same command continues; None: a new dated name"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
@@ -63,8 +64,7 @@ class Args:
     cuda: bool = True
     """True: train on CUDA when it is available"""
     threads: int | None = None
-    """torch's CPU threads per process; None: the cores this process may use, divided by the
-    processes torchrun starts on this node (idle threads sleep: OMP_WAIT_POLICY=PASSIVE)"""
+    """torch's CPU threads per process; None: the usable cores / torchrun's local processes"""
     track: bool = False
     """True: also log to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ppo-atari"
@@ -77,13 +77,11 @@ class Args:
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the Atari environment (NoFrameskip-v4 or ALE/...-v5)"""
     env_backend: Literal["auto", "sync", "async"] = "auto"
-    """how the in-file wrappers are stepped: sync (in this process) or async (a process per env),
-    same numbers; auto: async when training on CUDA with at least 4 cores per process, else sync"""
+    """sync: the envs in this process; async: a process each; auto: async on CUDA with 4+ cores"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
     stop_at_step: int | None = None
-    """stop with a checkpoint after the iteration that reaches this many steps, keeping the
-    schedule planned for --total-timesteps; the same command without it continues the run"""
+    """stop with a checkpoint once this many steps are done, the schedule still to the total"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 8
@@ -124,8 +122,9 @@ class Args:
     checkpoint_interval: int = 50
     """write checkpoint.pt every this many iterations (and at the end)"""
     resume: str | None = None
-    """a run folder or checkpoint file to continue from; it may change only --total-timesteps,
-    --checkpoint-interval, --cuda, --compile, --env-backend, --threads and the logging options"""
+    """a run folder or checkpoint to continue; it may change only --total-timesteps, \
+--stop-at-step, --checkpoint-interval, --cuda, --threads, --compile, --env-backend, --run-name, \
+--dist-timeout, --track, --wandb-project-name, --wandb-entity and --capture-video"""
     eval_checkpoint: str | None = None
     """score this saved agent (agent.pt or checkpoint.pt) instead of training"""
     eval_episodes: int = 10
@@ -134,120 +133,7 @@ class Args:
     """torchrun: seconds a rendezvous or collective may wait for the other processes, then fail"""
 
 
-# Fields a resume may change: they change neither the network, the game nor the optimisation
-# done so far. LAUNCH_ONLY: this launch's own, never taken from a checkpoint.
-LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
-RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
-                                    "wandb_project_name", "wandb_entity", "capture_video",
-                                    "compile", "env_backend", "run_name", "dist_timeout"}
-
-
-def fail(message: str, code: int = 2):
-    """Bad input: one line on stderr, no traceback, a non-zero exit."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-def explicit_fields(argv: list[str]) -> set[str]:
-    """The Args fields named on the command line (`--no-cuda` names cuda)."""
-    names = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    fields = {f.name for f in dataclasses.fields(Args)}
-    return {n[3:] if n.startswith("no_") and n[3:] in fields else n for n in names} & fields
-
-
-def check_args(args: Args, world_size: int = 1):
-    """Fails with a message naming the field unless the sizes fit together; no env is made."""
-    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
-                 "threads", "learning_rate", "clip_coef"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            kind = "positive" if isinstance(value, float) else "a positive integer"
-            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
-    batch = args.num_envs * args.num_steps
-    if batch % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of --num-envs "
-             f"{args.num_envs} x --num-steps {args.num_steps} = {batch}; pick a divisor of {batch}")
-    if args.total_timesteps < batch * world_size:
-        fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
-             f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
-    check_env_id(args.env_id)
-
-
-def check_env_id(env_id: str):
-    """Only ALE image ids whose settings the trainer keeps: NoFrameskip-v4 (no sticky actions)
-    and ALE/...-v5 (sticky actions 0.25); plain -v4 (a random 2-4 frame skip) and -v0 (sticky
-    actions) are refused. An unknown id is matched on its game: Game-NoFrameskip-v4, else -v5."""
-    def game(name):  # 'ALE/Pong-v5', 'PongNoFrameskip-v4', 'PongDeterministic-v4' -> 'pong'
-        name = name.removeprefix("ALE/").split("-")[0]
-        return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
-
-    def wanted(name):
-        return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
-
-    if env_id not in gym.registry:
-        ids = {}  # game -> its recommended id, NoFrameskip-v4 first
-        for name in sorted(filter(wanted, gym.registry), key=lambda n: n.startswith("ALE/")):
-            ids.setdefault(game(name), name)
-        close = difflib.get_close_matches(game(env_id), list(ids), 2, 0.75)
-        hint = f"did you mean {' or '.join(ids[g] for g in close)}?" if close else \
-            "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
-        fail(f"unknown --env-id {env_id!r}; {hint}")
-    spec = gym.spec(env_id)
-    image = spec.kwargs.get("obs_type", "rgb") == "rgb"
-    if not str(spec.entry_point).startswith("ale_py") or not image:
-        fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
-             f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
-    if not wanted(env_id):
-        name = env_id.split("-")[0].removesuffix("NoFrameskip")
-        what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
-        what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
-        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {name}NoFrameskip-v4 "
-             f"(the published setting) or ALE/{name}-v5 (sticky actions)")
-
-
 # Atari wrappers, innermost first (semantics of openai/baselines atari_wrappers.py and SB3)
-
-
-class VideoRecorder(gym.Wrapper):
-    """Writes games to mp4 with OpenCV: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with
-    every_game (evaluation) every full game and no cut-off one. Innermost, so it sees every
-    emulator frame and only real game overs."""
-
-    def __init__(self, env, folder: str, every_game: bool = False):
-        super().__init__(env)
-        self.folder, self.every_game, self.games, self.writer = folder, every_game, 0, None
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        self._finish(complete=True)
-        k, self.games = self.games, self.games + 1
-        if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            self.path = os.path.join(self.folder, f"game-{k}.mp4")
-            self.writer = cv2.VideoWriter(self.path, cv2.VideoWriter_fourcc(*"mp4v"), 60,
-                                          (obs.shape[1], obs.shape[0]))
-        return self._write(obs), info
-
-    def step(self, action):
-        obs, *rest = self.env.step(action)
-        return self._write(obs), *rest
-
-    def _write(self, frame):
-        if self.writer is not None:
-            self.writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-        return frame
-
-    def _finish(self, complete: bool):
-        if self.writer is not None:
-            self.writer.release()
-            self.writer = None
-            if not complete and self.every_game:  # evaluation keeps full games only; training
-                os.remove(self.path)  # keeps the last, cut-off game (a short run may have no other)
-
-    def close(self):
-        self._finish(complete=False)
-        super().close()
 
 
 class NoopReset(gym.Wrapper):
@@ -353,9 +239,9 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
 
     def thunk():
         if trainer_pid not in (None, os.getpid()):  # an async worker (gymnasium also calls one
-            # thunk in the trainer, for the spaces). Ctrl-C and SIGTERM (SLURM) reach every
-            # process; the trainer finishes its iteration, checkpoints and closes the envs, so a
-            # worker ignores both (and exits when the trainer dies: its pipe closes)
+            # thunk in the trainer, for the spaces): the trainer alone acts on Ctrl-C and SIGTERM
+            # (it finishes its iteration, checkpoints and closes the envs); a worker exits when
+            # the trainer dies (its pipe closes)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
@@ -380,16 +266,26 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
 
 def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game=False):
     """The vector env over the wrappers above. Same-step autoreset: a finished env is reset inside
-    step(), the returned obs is the new episode's first, and no reset transition enters a batch."""
-    trainer = os.getpid() if args.env_backend == "async" else None
+    step(), the returned obs is the new episode's first, and no reset transition enters a batch.
+    copy=False: the rollout copies each observation into its staging buffer at once."""
+    use_async = choose_backend(args, args.cuda and torch.cuda.is_available(),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", 1))) == "async"
+    trainer = os.getpid() if use_async else None
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
-    # copy=False: the rollout copies each observation into its staging buffer at once
-    if trainer:  # spawn: a forked CUDA context or NCCL group is not safe
-        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn",
-                                         copy=False)
-        # the workers ignore SIGTERM (see make_env), so a trainer that crashes kills them itself
+    if use_async:  # spawn: a forked CUDA context or NCCL group is not safe. Ctrl-C and SIGTERM
+        # reach the whole process group: the workers are born with both blocked, and the
+        # trainer takes any that came while they started once they are up (the resource
+        # tracker first: starting it unblocks both)
+        multiprocessing.resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn",
+                                             copy=False)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        # the workers ignore SIGTERM, so a trainer that crashes kills them itself
         atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
@@ -400,19 +296,6 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
              f"(4, H, W, 3) must be reshaped to (12, H, W) in make_env before it reaches the "
              f"network")
     return envs
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its SLURM or cgroup allocation), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
-    """auto: a process per env (async) pays off only on CUDA with 4 or more cores per process;
-    on a CPU the envs and the network take turns on the same cores and sync is faster."""
-    if args.env_backend != "auto":
-        return args.env_backend
-    return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
 def finished_games(infos: dict) -> list[tuple[float, int]]:
@@ -476,7 +359,7 @@ class Agent(nn.Module):
         return action, logprob, entropy, value
 
 
-# Pure helpers: advantages, loss, checkpoint I/O
+# Advantages and the loss
 
 
 def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: float):
@@ -530,122 +413,6 @@ def minibatch_loss(agent, mb: dict, clip_coef, args: Args, carry: dict):
     return ppo_loss(newlogprob, entropy, newvalue, mb["logprobs"], mb["advantages"],
                     mb["returns"], mb["values"], clip_coef, args.norm_adv, args.clip_vloss,
                     args.ent_coef, args.vf_coef)
-
-
-def save_checkpoint(path: str, state: dict):
-    """Atomic: a temporary file, flushed to disk, then renamed over the old one, so that a crash
-    at any point leaves either the old or the new file, both complete."""
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def load_checkpoint(path: str) -> dict:
-    """A checkpoint file, or a run folder's checkpoint.pt, with "run_dir" (its folder) added.
-    weights_only=True: tensors and plain types only, so a crafted pickle cannot run code."""
-    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path}; pass a run folder or a .pt file written by this script")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, unsafe pickle, not a torch file at all
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fail(f"cannot load {path} as a safe checkpoint ({first[:160]})")
-    if not isinstance(state, dict) or not {"model", "args"} <= set(state):
-        fail(f"{path} is not a checkpoint of this script (no model and args in it)")
-    return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
-
-
-def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
-    """Loads weights, or fails with one line naming the first tensor whose shape differs (another
-    game's action set, network or frame size), whatever the network's attribute names."""
-    own, saved = agent.state_dict(), state["model"]
-    for name in [*own, *(k for k in saved if k not in own)]:
-        mine, theirs = (tuple(d[name].shape) if name in d else None for d in (own, saved))
-        if mine != theirs:
-            fail(f"{path} does not fit this network: {name} is {theirs or 'missing'} in the "
-                 f"checkpoint ({state['args'].get('env_id')}) and {mine or 'missing'} here "
-                 f"({env_id}): another game's action set, network or frame size")
-    agent.load_state_dict(saved)
-
-
-def map_tensors(obj, fn):
-    """obj (nested dicts, lists and tuples) with fn applied to every tensor in it."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def on_host(state):
-    """Files hold CPU tensors only: a plain torch.load works on a machine without the GPU."""
-    return map_tensors(state, lambda t: t.detach().cpu())
-
-
-def rng_state(device: torch.device) -> dict:
-    """The generators the trainer draws from (action samples, minibatch order): torch's CPU RNG
-    and, on CUDA only, the training device's (a CPU run never initializes CUDA)."""
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state: dict, device: torch.device):
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda  # older: one per GPU
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
-
-
-def shown_path(path: str) -> str:
-    """A path as printed: relative to the working directory when inside it, else absolute."""
-    rel = os.path.relpath(path)
-    return os.path.abspath(path) if rel.startswith("..") else rel
-
-
-def evaluate(args: Args, device: torch.device, explicit: set[str]):
-    """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
-    path = args.eval_checkpoint
-    state = load_checkpoint(path)
-    trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
-    # another id of the same game plays the same ROM and action set: ALE/Game-v5 scores a
-    # NoFrameskip-v4 agent under sticky actions (Machado et al. 2018's protocol)
-    env_id = args.env_id if "env_id" in explicit else trained
-    if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
-        fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
-             f"the same game")
-    video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
-    eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
-    envs = make_envs(eval_args, args.seed, video, every_game=True)
-    agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
-    agent = agent.to(device, memory_format=torch.channels_last)
-    load_agent(agent, state, path, env_id)
-    # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
-    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
-    events = os.path.join(run_dir, "eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
-    print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
-                                                         if video else ""), flush=True)
-    writer = SummaryWriter(events)
-    obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
-    scores = []
-    while len(scores) < args.eval_episodes:
-        with torch.inference_mode():  # actions sampled from the policy, as in training
-            action = agent.get_action_and_value(torch.as_tensor(obs, device=device))[0]
-        obs, _, _, _, infos = envs.step(action.cpu().numpy())
-        for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
-            scores.append(score)
-            writer.add_scalar("eval/episodic_return", score, len(scores))
-            print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
-    writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
-    envs.close()
-    writer.close()
-    print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
-          f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
 
 
 # The phases of an iteration: rollout, make_batch (advantages), update, summarize, log_iteration
@@ -707,16 +474,6 @@ def make_batch(agent, storage: dict, next_obs, autocast, args: Args) -> dict:
     device = storage["obs"].device
     return batch | {"advantages": advantages.flatten().to(device),
                     "returns": returns.flatten().to(device)}
-
-
-def all_reduce_gradients(agent: nn.Module, world_size: int):
-    """Averages the gradients over ranks in one flat all-reduce; parameters without a gradient
-    (frozen, or unused by the loss) are skipped: the same ones on every rank."""
-    grads = [p.grad for p in agent.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads]) / world_size
-    dist.all_reduce(flat)
-    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-        g.copy_(new.view_as(g))
 
 
 def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
@@ -793,7 +550,234 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
         print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
 
 
-# Setup: device and threads, the process group, the run to start or continue, signals, saving
+# The training loop
+
+
+def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank: int = 0,
+          world_size: int = 1):
+    """Rollout, advantages, update and logging, iteration after iteration, with a checkpoint
+    every --checkpoint-interval, until --total-timesteps (or --stop-at-step, or a signal appended
+    to `stop`). ckpt: the checkpoint to continue, or None. Returns the trained agent."""
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
+    # seeding: one block; each rank gets its own env seeds and action samples
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
+
+    iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
+    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
+        f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
+    env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
+    envs = make_envs(args, env_seed, video)
+    agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
+    agent = agent.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # a fork's own state across iterations (a penalty coefficient, a running statistic): its
+    # first values go here; checkpoints save it and a resume restores it (see restore)
+    carry = {}
+    recent = collections.deque(maxlen=100)  # the returns of the last 100 finished games
+    restore(ckpt, agent, optimizer, carry, recent, device, rank, args.seed)
+    # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
+    policy, loss_fn = agent.get_action_and_value, minibatch_loss
+    if args.compile:
+        policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
+    writer = open_run(args, run_dir, ckpt, agent, optimizer, carry) if rank == 0 else None
+
+    storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
+                           device)
+    staging = torch.zeros(storage["obs"].shape[1:], dtype=torch.uint8,
+                          pin_memory=device.type == "cuda")
+    next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
+    batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
+    num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, 0.0
+    stopped = at_stop = False
+    for iteration in range(iteration + 1, num_iterations + 1):
+        # anneal: learning rate (and optionally clip range) fall linearly to 0 over the run
+        frac = 1.0 - (iteration - 1.0) / num_iterations
+        lr_now = frac * args.learning_rate if args.anneal_lr else args.learning_rate
+        optimizer.param_groups[0]["lr"] = lr_now
+        clip_value = frac * args.clip_coef if args.anneal_clip else args.clip_coef
+        clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
+
+        t0 = time.time()
+        next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
+                                               global_step, args.num_envs * world_size)
+        t1 = time.time()
+        batch = make_batch(agent, storage, next_obs, autocast, args)
+        totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
+                                       world_size, carry)
+        stats, games = summarize(agent, totals, n_minibatches, batch, stop, games, world_size)
+        if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
+            close(envs, writer)
+            fail(f"non-finite loss or parameters at iteration {iteration} (global step "
+                 f"{global_step}); stopped; the last good checkpoint is in {run_dir}", code=1)
+        recent.extend(r for _, r, _ in games)
+        stopped = stats["stop"] > 0
+        at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
+        last = iteration == num_iterations or stopped or at_stop
+        now = time.time()
+        # SPS counts from the end of this process's first iteration (which reports its own),
+        # so that the warm-up after a start or a resume does not read as a slowdown
+        if clock is None:
+            clock, sps = (global_step, now), int(batch_steps / (now - t0))
+        elif now > clock[1]:
+            sps = int((global_step - clock[0]) / (now - clock[1]))
+        if writer is not None:
+            stats |= {"charts/learning_rate": lr_now, "charts/clip_coef": clip_value,
+                      "charts/SPS": sps, "charts/rollout_time": t1 - t0,
+                      "charts/update_time": now - t1}  # seconds per iteration (after the sync)
+            show = sys.stdout.isatty() or now - last_print > 30 or iteration == num_iterations
+            log_iteration(writer, stats, games, recent, global_step, args.total_timesteps, show)
+            last_print = now if show else last_print
+            if iteration % args.checkpoint_interval == 0 or last:
+                writer.flush()  # the logs reach at least as far as the checkpoint
+                if last:  # agent.pt before the checkpoint that ends the run: a kill between
+                    # the two leaves the previous checkpoint, and the same command redoes both
+                    save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
+                save_run(run_dir, agent, optimizer, args, global_step, iteration, recent, carry)
+        if last:
+            break
+
+    close(envs, writer)
+    if rank == 0:
+        say_how_to_continue(run_dir, args, global_step, stopped,
+                            at_stop and iteration < num_iterations, world_size)
+    if stopped:
+        raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
+    return agent
+
+
+# ================================= THE FENCE =================================================
+# Below: the machinery a fork leaves alone. Argument checks; torchrun; checkpoint files; run
+# folders and resume; signals; evaluation; videos; main. Nothing here changes what PPO computes.
+
+# Fields a resume may change: they change neither the network, the game nor the optimisation
+# done so far. LAUNCH_ONLY: this launch's own, never taken from a checkpoint.
+LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
+RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
+                                    "wandb_project_name", "wandb_entity", "capture_video",
+                                    "compile", "env_backend", "run_name", "dist_timeout"}
+
+
+def fail(message: str, code: int = 2):
+    """Bad input: one line on stderr, no traceback, a non-zero exit."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def explicit_fields(argv: list[str]) -> set[str]:
+    """The Args fields named on the command line (`--no-cuda` names cuda)."""
+    names = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    fields = {f.name for f in dataclasses.fields(Args)}
+    return {n[3:] if n.startswith("no_") and n[3:] in fields else n for n in names} & fields
+
+
+def check_args(args: Args, world_size: int = 1):
+    """Fails with a message naming the field unless the sizes fit together; no env is made."""
+    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
+                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
+                 "threads", "learning_rate", "clip_coef"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            kind = "positive" if isinstance(value, float) else "a positive integer"
+            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
+    batch = args.num_envs * args.num_steps
+    if batch % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of --num-envs "
+             f"{args.num_envs} x --num-steps {args.num_steps} = {batch}; pick a divisor of {batch}")
+    if args.total_timesteps < batch * world_size:
+        fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
+             f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
+    check_env_id(args.env_id)
+
+
+def check_env_id(env_id: str):
+    """Only ALE image ids whose settings the trainer keeps: NoFrameskip-v4 (no sticky actions)
+    and ALE/...-v5 (sticky actions 0.25); plain -v4 (a random 2-4 frame skip) and -v0 (sticky
+    actions) are refused. An unknown id is matched on its game: Game-NoFrameskip-v4, else -v5."""
+    def game(name):  # 'ALE/Pong-v5', 'PongNoFrameskip-v4', 'PongDeterministic-v4' -> 'pong'
+        name = name.removeprefix("ALE/").split("-")[0]
+        return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
+
+    def wanted(name):
+        return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
+
+    if env_id not in gym.registry:
+        ids = {}  # game -> its recommended id, NoFrameskip-v4 first
+        for name in sorted(filter(wanted, gym.registry), key=lambda n: n.startswith("ALE/")):
+            ids.setdefault(game(name), name)
+        close = difflib.get_close_matches(game(env_id), list(ids), 2, 0.75)
+        hint = f"did you mean {' or '.join(ids[g] for g in close)}?" if close else \
+            "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
+        fail(f"unknown --env-id {env_id!r}; {hint}")
+    spec = gym.spec(env_id)
+    image = spec.kwargs.get("obs_type", "rgb") == "rgb"
+    if not str(spec.entry_point).startswith("ale_py") or not image:
+        fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
+             f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
+    if not wanted(env_id):
+        name = env_id.split("-")[0].removesuffix("NoFrameskip")
+        what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
+        what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
+        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {name}NoFrameskip-v4 "
+             f"(the published setting) or ALE/{name}-v5 (sticky actions)")
+
+
+class VideoRecorder(gym.Wrapper):
+    """Writes games to mp4 with OpenCV: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with
+    every_game (evaluation) every full game and no cut-off one. Innermost, so it sees every
+    emulator frame and only real game overs."""
+
+    def __init__(self, env, folder: str, every_game: bool = False):
+        super().__init__(env)
+        self.folder, self.every_game, self.games, self.writer = folder, every_game, 0, None
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self._finish(complete=True)
+        k, self.games = self.games, self.games + 1
+        if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            self.path = os.path.join(self.folder, f"game-{k}.mp4")
+            self.writer = cv2.VideoWriter(self.path, cv2.VideoWriter_fourcc(*"mp4v"), 60,
+                                          (obs.shape[1], obs.shape[0]))
+        return self._write(obs), info
+
+    def step(self, action):
+        obs, *rest = self.env.step(action)
+        return self._write(obs), *rest
+
+    def _write(self, frame):
+        if self.writer is not None:
+            self.writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        return frame
+
+    def _finish(self, complete: bool):
+        if self.writer is not None:
+            self.writer.release()
+            self.writer = None
+            if not complete and self.every_game:  # evaluation keeps full games only; training
+                os.remove(self.path)  # keeps the last, cut-off game (a short run may have no other)
+
+    def close(self):
+        self._finish(complete=False)
+        super().close()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its SLURM or cgroup allocation), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
+    """auto: a process per env (async) pays off only on CUDA with 4 or more cores per process;
+    on a CPU the envs and the network take turns on the same cores and sync is faster."""
+    if args.env_backend != "auto":
+        return args.env_backend
+    return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
 def choose_device(args: Args, local_rank: int, local_processes: int):
@@ -843,19 +827,187 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
         joined.set()
 
 
-def ensure_agent_file(ckpt: dict, finished: bool) -> bool:
-    """A run with nothing left to train keeps its agent.pt; one killed while writing it (missing,
-    partial, or older than the checkpoint) gets it written from the checkpoint. True: written."""
-    path = os.path.join(ckpt["run_dir"], "agent.pt")
+def all_reduce_gradients(agent: nn.Module, world_size: int):
+    """Averages the gradients over ranks in one flat all-reduce; parameters without a gradient
+    (frozen, or unused by the loss) are skipped: the same ones on every rank."""
+    grads = [p.grad for p in agent.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads]) / world_size
+    dist.all_reduce(flat)
+    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
+    """resolve_run on rank 0 alone, its answer (or exit code) sent to every rank: rank 0's runs/
+    folder may be the only one that holds the checkpoint (node-local disks)."""
+    if world_size == 1:
+        return resolve_run(args, explicit, world_size)
+    box = [None]
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        current = (saved["global_step"], saved["finished"]) == (ckpt["global_step"], finished)
-    except Exception:  # missing, truncated, or not ours
-        current = False
-    if not current:
-        save_checkpoint(path, {"model": ckpt["model"], "args": ckpt["args"],
-                               "global_step": ckpt["global_step"], "finished": finished})
-    return not current
+        if rank == 0:
+            box = [resolve_run(args, explicit, world_size)]
+    except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
+        box = [e.code if isinstance(e, SystemExit) else 1]
+        raise
+    finally:
+        dist.broadcast_object_list(box, src=0)
+    if not isinstance(box[0], tuple):
+        raise SystemExit(box[0])
+    return box[0]
+
+
+def map_tensors(obj, fn):
+    """obj (nested dicts, lists and tuples) with fn applied to every tensor in it."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def on_host(state):
+    """Files hold CPU tensors only: a plain torch.load works on a machine without the GPU."""
+    return map_tensors(state, lambda t: t.detach().cpu())
+
+
+def rng_state(device: torch.device) -> dict:
+    """The generators the trainer draws from (action samples, minibatch order): torch's CPU RNG
+    and, on CUDA only, the training device's (a CPU run never initializes CUDA)."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device):
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda  # older: one per GPU
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def save_checkpoint(path: str, state: dict):
+    """Atomic: a temporary file, flushed to disk, then renamed over the old one, so that a crash
+    at any point leaves either the old or the new file, both complete."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """A checkpoint file, or a run folder's checkpoint.pt, with "run_dir" (its folder) added.
+    weights_only=True: tensors and plain types only, so a crafted pickle cannot run code."""
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        fail(f"no checkpoint at {path}; pass a run folder or a .pt file written by this script")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, unsafe pickle, not a torch file at all
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail(f"cannot load {path} as a safe checkpoint ({first[:160]})")
+    if not isinstance(state, dict) or not {"model", "args"} <= set(state):
+        fail(f"{path} is not a checkpoint of this script (no model and args in it)")
+    return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
+
+
+def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
+    """Loads weights, or fails with one line naming the first tensor whose shape differs (another
+    game's action set, network or frame size), whatever the network's attribute names."""
+    own, saved = agent.state_dict(), state["model"]
+    for name in [*own, *(k for k in saved if k not in own)]:
+        mine, theirs = (tuple(d[name].shape) if name in d else None for d in (own, saved))
+        if mine != theirs:
+            fail(f"{path} does not fit this network: {name} is {theirs or 'missing'} in the "
+                 f"checkpoint ({state['args'].get('env_id')}) and {mine or 'missing'} here "
+                 f"({env_id}): another game's action set, network or frame size")
+    agent.load_state_dict(saved)
+
+
+def restore(ckpt: dict | None, agent, optimizer, carry: dict, recent, device, rank: int,
+            seed: int):
+    """A resume: the weights, Adam's state, the RNG, the fork's carry (its tensors on the
+    training device) and the recent returns, from the checkpoint. Under torchrun, every rank
+    then takes rank 0's weights and buffers."""
+    if ckpt is not None:
+        load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"], device)
+        if rank > 0:  # rank 0's RNG state is in the checkpoint; the others draw afresh
+            torch.manual_seed(seed + rank + 7919 * (ckpt["iteration"] + 1))
+        carry.update(map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)))
+        recent.extend(ckpt["recent_returns"])
+    if dist.is_initialized():  # identical weights and buffers everywhere
+        for t in agent.state_dict().values():
+            dist.broadcast(t, src=0)
+
+
+def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, carry: dict):
+    """Rank 0: says where the run goes, writes a new run's iteration-0 checkpoint (a run folder
+    holds a checkpoint before anything else), and opens the TensorBoard writer (and wandb)."""
+    shown = shown_path(run_dir)
+    print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    if ckpt is None:
+        save_run(run_dir, agent, optimizer, args, 0, 0, [], carry)
+    if args.track:  # a continued run continues the same wandb run: its id is the folder's name
+        import wandb
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
+                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow",
+                   sync_tensorboard=True, save_code=True)
+    # purge_step hides events a crashed run logged after its last checkpoint
+    writer = SummaryWriter(run_dir, purge_step=ckpt["global_step"] + 1 if ckpt else None)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in vars(args).items()))
+    return writer
+
+
+def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent,
+             carry: dict):
+    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
+        "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+        "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
+        "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
+        "carry": carry}))
+
+
+def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):
+    """agent.pt: the latest weights and their arguments (finished: the run reached
+    --total-timesteps)."""
+    save_checkpoint(os.path.join(run_dir, "agent.pt"), {
+        "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
+        "global_step": global_step, "finished": finished})
+
+
+def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: bool,
+                        stopped_early: bool, world_size: int):
+    """Where the run is and, if it stopped early, the line that continues it (under torchrun,
+    with as many processes: a checkpoint continues with the world that wrote it)."""
+    shown, local = shown_path(run_dir), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    launcher = [sys.executable] if world_size == 1 else ["torchrun", *(
+        ["--nnodes", str(world_size // local)] if world_size > local else []),
+        "--nproc_per_node", str(local)]
+    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown])
+    print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
+    if stopped:
+        print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
+    elif stopped_early:  # by --stop-at-step
+        print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
+              f"{args.total_timesteps:,} with: {resume}", flush=True)
+
+
+def close(envs, writer):
+    envs.close()
+    if writer is not None:
+        writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        # free the group now if a reference cycle holds it: freed at interpreter exit, gloo's
+        # workers drop tensors with no GIL to take and the process aborts (exit code -6)
+        gc.collect()
 
 
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
@@ -868,22 +1020,21 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
              f"continue it with {n} processes (torchrun --nproc_per_node)")
     where, batch = shown_path(ckpt["run_dir"]), local_batch * world_size
     iterations = args.total_timesteps // batch
-    if done >= iterations or (args.stop_at_step and step >= args.stop_at_step):
-        written = "agent.pt was missing or partial, written from the checkpoint" if \
-            ensure_agent_file(ckpt, finished=done >= iterations) else "nothing written"
-        if done >= iterations:
-            print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps "
-                  f"is {args.total_timesteps:,}; {written}. To train longer, pass a larger "
-                  f"--total-timesteps", flush=True)
-        else:
-            print(f"{where} has run {step:,} steps, already past --stop-at-step "
-                  f"{args.stop_at_step:,}; {written}. Drop --stop-at-step (or raise it) to "
-                  f"continue to {args.total_timesteps:,}", flush=True)
+    if done >= iterations:
+        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps "
+              f"is {args.total_timesteps:,}; nothing written. To train longer, pass a larger "
+              f"--total-timesteps", flush=True)
+        return True
+    if args.stop_at_step and step >= args.stop_at_step:
+        print(f"{where} has run {step:,} steps, already past --stop-at-step "
+              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
+              f"continue to {args.total_timesteps:,}", flush=True)
         return True
     lr_old, lr_new = ((1.0 - done / (total // batch)) * args.learning_rate
                       for total in (saved.total_timesteps, args.total_timesteps))
+    left = iterations - done
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-            f"({iterations - done} iterations left)")
+            f"({left} iteration{'s' if left > 1 else ''} left)")
     if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
         line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
                  f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over the "
@@ -916,9 +1067,6 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
         fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
-    if ckpt["args"].get("env_backend") == "ale":
-        fail(f"{args.resume} was trained with --env-backend ale, which this file does not have "
-             f"(it steps the in-file wrappers only); start a new run")
     known = {f.name for f in dataclasses.fields(Args)}
     saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
     for name in sorted(explicit - RESUME_OVERRIDABLE):
@@ -931,31 +1079,11 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     return (None, None) if resume_plan(args, saved, ckpt, world_size) else (args, ckpt)
 
 
-def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
-    """resolve_run on rank 0 alone, its answer (or exit code) sent to every rank: rank 0's runs/
-    folder may be the only one that holds the checkpoint (node-local disks)."""
-    if world_size == 1:
-        return resolve_run(args, explicit, world_size)
-    box = [None]
-    try:
-        if rank == 0:
-            box = [resolve_run(args, explicit, world_size)]
-    except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
-        box = [e.code if isinstance(e, SystemExit) else 1]
-        raise
-    finally:
-        dist.broadcast_object_list(box, src=0)
-    if not isinstance(box[0], tuple):
-        raise SystemExit(box[0])
-    return box[0]
-
-
 def catch_stop_signals() -> tuple[list, dict]:
     """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
-    the returned list; one during start-up stops the run after its first iteration); a second
-    Ctrl-C exits at once. A signal ignored when training starts stays ignored, as Python leaves
-    it (SIGINT in a script's `cmd &`, or under `nohup` from one). Returns (that list, the old
-    handlers of the signals caught)."""
+    the returned list); a second Ctrl-C exits at once. A signal ignored when training starts
+    stays ignored, as Python leaves it (SIGINT in a script's `cmd &`, or under `nohup` from
+    one). Returns (that list, the old handlers of the signals caught)."""
     stop = []
 
     def on_signal(signum, frame):
@@ -968,223 +1096,88 @@ def catch_stop_signals() -> tuple[list, dict]:
                   if signal.getsignal(s) != signal.SIG_IGN}
 
 
-def build(args: Args, ckpt: dict | None, rank: int, device, backend: str, run_dir: str):
-    """Envs, agent and optimizer, restored from the checkpoint when there is one."""
-    start_iteration = ckpt["iteration"] + 1 if ckpt else 1
-    video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
-    env_seed = args.seed + rank * args.num_envs + 7919 * (start_iteration - 1)  # fresh games
-    envs = make_envs(dataclasses.replace(args, env_backend=backend), env_seed, video)
+def shown_path(path: str) -> str:
+    """A path as printed: relative to the working directory when inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def evaluate(args: Args, device: torch.device, explicit: set[str]):
+    """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
+    torch.manual_seed(args.seed)  # the actions sampled: the same command plays the same games
+    path = args.eval_checkpoint
+    state = load_checkpoint(path)
+    trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
+    # another id of the same game plays the same ROM and action set: ALE/Game-v5 scores a
+    # NoFrameskip-v4 agent under sticky actions (Machado et al. 2018's protocol)
+    env_id = args.env_id if "env_id" in explicit else trained
+    if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
+        fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
+             f"the same game")
+    video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
+    eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
+    envs = make_envs(eval_args, args.seed, video, every_game=True)
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    if ckpt is not None:
-        load_agent(agent, ckpt, args.resume, args.env_id)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_state(ckpt["rng"], device)
-        if rank > 0:
-            torch.manual_seed(args.seed + rank + 7919 * start_iteration)
-    if dist.is_initialized():  # identical weights and buffers everywhere
-        for t in agent.state_dict().values():
-            dist.broadcast(t, src=0)
-    return envs, env_seed, agent, optimizer
-
-
-def open_run(args: Args, run_dir: str, ckpt: dict | None, device_line: str, save):
-    """Rank 0: says where the run goes, writes a new run's iteration-0 checkpoint (so a run
-    folder always has one), and opens the TensorBoard writer (and the wandb run)."""
-    shown = shown_path(run_dir)
-    print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
-    print(device_line, flush=True)
-    os.makedirs(run_dir, exist_ok=True)
-    if ckpt is None:
-        save()
-    if args.track:  # a continued run continues the same wandb run: its id is the folder's name
-        import wandb
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
-                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow",
-                   sync_tensorboard=True, save_code=True)
-    # purge_step hides events a crashed run logged after its last checkpoint
-    writer = SummaryWriter(run_dir, purge_step=ckpt["global_step"] + 1 if ckpt else None)
-    if ckpt is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in vars(args).items()))
-    return writer
-
-
-def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent,
-             carry: dict):
-    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
-        "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-        "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
-        "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "carry": carry}))
-
-
-def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool,
-               stopped_by: str | None, world_size: int = 1, local_processes: int = 1):
-    """agent.pt: the latest weights and their arguments (finished: the run reached
-    --total-timesteps), then where the run is and, if it stopped early, how to go on (under
-    torchrun, with as many processes: a checkpoint continues with the world that wrote it)."""
-    save_checkpoint(os.path.join(run_dir, "agent.pt"), {
-        "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
-        "global_step": global_step, "finished": finished})
-    shown = shown_path(run_dir)
-    nodes = world_size // local_processes
-    launcher = [sys.executable] if world_size == 1 else ["torchrun", *(
-        ["--nnodes", str(nodes)] if nodes > 1 else []), "--nproc_per_node", str(local_processes)]
-    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown])
-    print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
-    if stopped_by == "signal":
-        print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
-    elif stopped_by and not finished:
-        print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
-              f"{args.total_timesteps:,} with: {resume}", flush=True)
-
-
-def close(envs, writer):
+    load_agent(agent, state, path, env_id)
+    # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
+    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
+    events = os.path.join(run_dir, "eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
+    print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
+                                                         if video else ""), flush=True)
+    writer = SummaryWriter(events)
+    obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
+    scores = []
+    while len(scores) < args.eval_episodes:
+        with torch.inference_mode():  # actions sampled from the policy, as in training
+            action = agent.get_action_and_value(torch.as_tensor(obs, device=device))[0]
+        obs, _, _, _, infos = envs.step(action.cpu().numpy())
+        for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
+            scores.append(score)
+            writer.add_scalar("eval/episodic_return", score, len(scores))
+            print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
+    writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
     envs.close()
-    if writer is not None:
-        writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        # free the group now if a reference cycle holds it: freed at interpreter exit, gloo's
-        # workers drop tensors with no GIL to take and the process aborts (exit code -6)
-        gc.collect()
+    writer.close()
+    print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
+          f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
 
 
 def main(args: Args, explicit: set[str] | None = None):
-    """Trains (or evaluates, with --eval-checkpoint). While training, Ctrl-C and SIGTERM are
-    caught from the first instant of start-up (a signal never lands in the middle of a setup
-    step), and the caller's handlers are back when main returns or fails."""
-    training = args.eval_checkpoint is None
-    stop, old_handlers = catch_stop_signals() if training else ([], {})
+    """Trains, or with --eval-checkpoint evaluates; returns the trained agent (None when there
+    was nothing to train). While training, Ctrl-C and SIGTERM are caught from main's first
+    instant (one during start-up stops the run after its first iteration), and the caller's
+    handlers are back when main returns or fails. explicit: the fields given on the command
+    line; from Python (None), those that differ from the defaults."""
+    if explicit is None:
+        explicit = {f.name for f in dataclasses.fields(Args)
+                    if getattr(args, f.name) != getattr(Args(), f.name)}
+    stop, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
     try:
-        return train(args, explicit, stop)
-    finally:
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
-
-
-def train(args: Args, explicit: set[str] | None, stop: list):
-    if explicit is None:  # main(Args(...)) from Python: the fields that differ from defaults
-        explicit = {f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(
-            Args(), f.name)}
-    # distributed: inert without torchrun (or a launcher) setting the variables read here
-    rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
-        ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
-    if args.resume is None and args.run_name is None:  # a resume is checked once merged
-        check_args(args, world_size)
-
-    device, why = choose_device(args, local_rank, local_processes)
-    use_cuda = device.type == "cuda"
-    if world_size > 1 and args.eval_checkpoint is None:
-        join_process_group("nccl" if use_cuda else "gloo", rank, world_size, args.dist_timeout)
-    ckpt = None
-    if args.eval_checkpoint is None:
+        # distributed: inert without torchrun (or a launcher) setting the variables read here
+        rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
+            ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
+        if args.resume is None and args.run_name is None:  # a resume is checked once merged
+            check_args(args, world_size)
+        device, why = choose_device(args, local_rank, local_processes)
+        if rank == 0:
+            print(f"device: {device}{why}", flush=True)
+        if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
+            return evaluate(args, device, explicit) if rank == 0 else None
+        if world_size > 1:
+            join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world_size,
+                               args.dist_timeout)
         args, ckpt = agree_on_run(args, explicit, rank, world_size)
         if args is None:  # nothing to train: complete, or past --stop-at-step
             if dist.is_initialized():
                 dist.destroy_process_group()
             return None
-    if args.track and importlib.util.find_spec("wandb") is None:
-        fail("--track needs wandb, which is not installed: pip install wandb")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
-
-    # seeding: one block; each rank gets its own env seeds and action samples
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
-
-    if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
-        if rank == 0:
-            print(f"device: {device}{why}", flush=True)
-            evaluate(args, device, explicit)
-        return None
-    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
-        f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
-    backend = choose_backend(args, use_cuda, local_processes)  # args keep "auto" for a resume
-    try:
-        envs, env_seed, agent, optimizer = build(args, ckpt, rank, device, backend, run_dir)
-    except Exception as e:  # a signal to the process group also reaches the async workers
-        if not stop:  # while they start, before they ignore it, and kills them: stop plainly
-            raise
-        print(f"stopped by {signal.Signals(stop[0]).name} during start-up ({type(e).__name__}: "
-              f"{str(e)[:100]}); the same command continues the run", file=sys.stderr)
-        raise SystemExit(128 + stop[0])
-    iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
-    recent = collections.deque(ckpt["recent_returns"] if ckpt else [], maxlen=100)
-    # a fork's own state carried across iterations (a penalty coefficient, a running statistic;
-    # tensors and plain types): give it its first value here, and checkpoints save it and a
-    # resume restores it; update passes it to the loss
-    carry = map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)) if ckpt else {}
-    # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
-    policy, loss_fn = agent.get_action_and_value, minibatch_loss
-    if args.compile:
-        policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    save = lambda: save_run(run_dir, agent, optimizer, args, global_step, iteration, recent,  # noqa
-                            carry)
-    writer = open_run(args, run_dir, ckpt, f"device: {device}{why}", save) if rank == 0 else None
-
-    storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
-                           device)
-    staging = torch.zeros(storage["obs"].shape[1:], dtype=torch.uint8, pin_memory=use_cuda)
-    next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
-    batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
-    num_iterations, first, last_print = args.total_timesteps // batch_steps, None, 0.0
-    stopped = at_stop = False
-    for iteration in range(iteration + 1, num_iterations + 1):
-        # anneal: learning rate (and optionally clip range) fall linearly to 0 over the run
-        frac = 1.0 - (iteration - 1.0) / num_iterations
-        lr_now = frac * args.learning_rate if args.anneal_lr else args.learning_rate
-        optimizer.param_groups[0]["lr"] = lr_now
-        clip_value = frac * args.clip_coef if args.anneal_clip else args.clip_coef
-        clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
-
-        t0 = time.time()
-        next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
-                                               global_step, args.num_envs * world_size)
-        t1 = time.time()
-        batch = make_batch(agent, storage, next_obs, autocast, args)
-        totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
-                                       world_size, carry)
-        stats, games = summarize(agent, totals, n_minibatches, batch, stop, games, world_size)
-        if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
-            close(envs, writer)
-            fail(f"non-finite loss or parameters at iteration {iteration} (global step "
-                 f"{global_step}); stopped; the last good checkpoint is in {run_dir}", code=1)
-        recent.extend(r for _, r, _ in games)
-        stopped = stats["stop"] > 0
-        at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
-        now = time.time()
-        # SPS from the end of this process's first iteration (which reports its own), so that
-        # the warm-up after a start or a resume does not read as a slowdown
-        first = first or (global_step, now, int(batch_steps / (now - t0)))
-        if writer is not None:
-            stats |= {"charts/learning_rate": lr_now, "charts/clip_coef": clip_value,
-                      "charts/SPS": int((global_step - first[0]) / (now - first[1])) if
-                      now > first[1] else first[2], "charts/rollout_time": t1 - t0,
-                      "charts/update_time": now - t1}  # seconds per iteration (after the sync)
-            show = sys.stdout.isatty() or now - last_print > 30 or iteration == num_iterations
-            log_iteration(writer, stats, games, recent, global_step, args.total_timesteps, show)
-            last_print = now if show else last_print
-            if iteration % args.checkpoint_interval == 0 or iteration == num_iterations or \
-                    stopped or at_stop:
-                writer.flush()  # the logs reach at least as far as the checkpoint
-                save()
-        if stopped or at_stop:
-            break
-
-    # close: the trained agent with its arguments; finished: it reached --total-timesteps
-    close(envs, writer)
-    if rank == 0:
-        save_agent(run_dir, agent, args, global_step, iteration == num_iterations,
-                   "signal" if stopped else "--stop-at-step" if at_stop else None, world_size,
-                   local_processes)
-    if stopped:
-        raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
-    return agent
+        if args.track and importlib.util.find_spec("wandb") is None:
+            fail("--track needs wandb, which is not installed: pip install wandb")
+        return train(args, ckpt, device, stop, rank, world_size)
+    finally:
+        for s, handler in old_handlers.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

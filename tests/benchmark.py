@@ -47,6 +47,7 @@ CONFIGS = {  # name: ppo_atari.py flags (plain is the hand port below)
     "sync": ["--env-backend", "sync"],
     "async": ["--env-backend", "async"],
     "sync+bf16": ["--env-backend", "sync", "--precision", "bf16"],
+    "async+bf16": ["--env-backend", "async", "--precision", "bf16"],
     "sync+compile": ["--env-backend", "sync", "--compile"],
     "sync+bf16+compile": ["--env-backend", "sync", "--precision", "bf16", "--compile"],
 }
@@ -142,7 +143,7 @@ def bound_worker(name, num_envs, device, out):
             for start in range(0, T * N, mb_size):
                 mb = {k: v[perm[start:start + mb_size]] for k, v in batch.items()}
                 with autocast:
-                    loss, m = loss_fn(agent, mb, clip, args)
+                    loss, m = loss_fn(agent, mb, clip, args, {})
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -206,7 +207,7 @@ def flops_and_peak(num_envs, device):
     minibatch = dict(obs=obs, actions=zeros.long(), logprobs=zeros, advantages=zeros + 1,
                      returns=zeros, values=zeros)
     with FlopCounterMode(display=False) as counter:
-        loss, _ = P.minibatch_loss(agent, minibatch, 0.1, args)
+        loss, _ = P.minibatch_loss(agent, minibatch, 0.1, args, {})
         loss.backward()
     update = counter.get_total_flops() * args.update_epochs * batch // mb
     with FlopCounterMode(display=False) as counter, torch.inference_mode():

@@ -72,14 +72,6 @@ def test_bad_input_fails_with_one_clear_line(bad_runs, name):
     assert sorted(os.listdir(cwd)) == ["keep.txt"] and (cwd / "keep.txt").read_text() == "precious"
 
 
-def test_the_removed_ale_backend_is_an_invalid_choice(tmp_path):
-    out = subprocess.run([sys.executable, SCRIPT, "--env-backend", "ale"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "invalid choice 'ale' for argument '--env-backend'" in out.stderr
-    assert not os.listdir(tmp_path)
-
-
 @pytest.mark.parametrize("fork", sorted(f for f in os.listdir(FORKS) if f.endswith(".diff")))
 def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
     """README's fork table links these diffs (`patch ppo_atari.py tests/forks/lstm.diff`): each

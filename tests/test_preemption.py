@@ -244,7 +244,8 @@ else:
             raise RuntimeError("a bug after the signal")
         return out
     setattr(P, name, call)
-P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+if __name__ == "__main__":  # spawned async workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
 """
 TOTAL = 4 * ITER
 JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--run-name", "job"]
@@ -279,8 +280,8 @@ INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its e
     # as if never signalled. Caught from main's first instant, it stops after one iteration.
     "Ctrl-C inside a finalizer during start-up": ("call:make_envs:1", JOB,
                                                   {"SIGNAL": "SIGINT", "SWALLOW": "1"}, 130),
-    # Ctrl-C and SLURM's SIGTERM reach the whole group, async workers still starting too (they
-    # ignore both only once their env thunk runs), and kill them: the trainer stops plainly
+    # Ctrl-C and SLURM's SIGTERM reach the whole group, async workers still starting too: they
+    # must survive it (born with both blocked), and the trainer stops after its first iteration
     "SIGTERM to the group while async workers start": ("group:_check_spaces:1", ASYNC,
                                                        {"SIGNAL": "SIGTERM"}, 143),
     "Ctrl-C to the group while async workers start": ("group:_check_spaces:1", ASYNC,
@@ -314,14 +315,11 @@ def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(instants,
     run = folder / "runs" / "job"
     if instant == "writing the first checkpoint":
         assert left == ["checkpoint.pt.tmp"], left
-    signal_name = INSTANTS[instant][2].get("SIGNAL")
-    if INSTANTS[instant][0].startswith("group"):  # the workers died: one line, no traceback
-        assert "Traceback" not in err and f"stopped by {signal_name} during start-up" in err, err
-    elif code > 0:  # caught and acted on: a checkpoint after the first iteration
-        assert "resume with: " in out, (out, err[-2000:])
+    if code > 0:  # caught and acted on: a checkpoint after the first iteration, no traceback
+        assert "resume with: " in out and "Traceback" not in err, (out, err[-2000:])
     assert again_code == 0, again_err[-2000:]
-    if instant == "writing the final agent.pt":
-        assert "agent.pt was missing or partial, written from the checkpoint" in again_out
+    if instant == "writing the final agent.pt":  # written before the final checkpoint
+        assert "continuing runs/job at step 192 of 256" in again_out, again_out
     assert_finished(str(run))
 
 
@@ -340,7 +338,6 @@ def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
     out = killed_at(tmp_path, "call:rollout:2", SIGNAL="SIGTERM", THEN_RAISE="1")
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "Traceback" in out.stderr and "RuntimeError: a bug after the signal" in out.stderr
-    assert "during start-up" not in out.stderr
 
 
 def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(instants):
