@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import tyro  # noqa: E402
+from gymnasium.wrappers.utils import RunningMeanStd  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 gym.register_envs(ale_py)
@@ -579,12 +580,12 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
     # first values go here; checkpoints save it and a resume restores it (see restore)
     carry = {}
     recent = collections.deque(maxlen=100)  # the returns of the last 100 finished games
-    restore(ckpt, agent, optimizer, carry, recent, device, rank, args.seed)
+    restore(ckpt, agent, optimizer, envs, carry, recent, device, rank, args.seed)
     # compile: the one site; checkpoints save `agent` itself, never a compiled wrapper
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    writer = open_run(args, run_dir, ckpt, agent, optimizer, carry) if rank == 0 else None
+    writer = open_run(args, run_dir, ckpt, agent, optimizer, envs, carry) if rank == 0 else None
 
     storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
                            device)
@@ -637,7 +638,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
                 if last:  # agent.pt before the checkpoint that ends the run: a kill between
                     # the two leaves the previous checkpoint, and the same command redoes both
                     save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
-                save_run(run_dir, agent, optimizer, args, global_step, iteration, recent, carry)
+                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, recent,
+                         carry)
         if last:
             break
 
@@ -780,15 +782,20 @@ def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
-def choose_device(args: Args, local_rank: int, local_processes: int):
-    """The one place the device and torch's CPU threads are chosen: (device, why CPU)."""
+def choose_device(args: Args, local_rank: int, local_processes: int) -> torch.device:
+    """The one place the device and torch's CPU threads are chosen."""
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
     if use_cuda:
         torch.cuda.set_device(device)
-    return device, "" if use_cuda else " (--no-cuda)" if not args.cuda else \
+    return device
+
+
+def say_device(args: Args, device: torch.device):
+    why = "" if device.type == "cuda" else " (--no-cuda)" if not args.cuda else \
         " (CUDA is not available)"
+    print(f"device: {device}{why}", flush=True)
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
@@ -926,12 +933,42 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
-def restore(ckpt: dict | None, agent, optimizer, carry: dict, recent, device, rank: int,
+def wrapper_statistics(envs) -> dict:
+    """{attribute: [its state per env]} for each gymnasium RunningMeanStd in make_env's wrappers
+    (NormalizeReward's return_rms, NormalizeObservation's obs_rms): running statistics that a
+    resume continues instead of restarting. As tensors: checkpoints load weights-only."""
+    probe = envs.envs[0] if hasattr(envs, "envs") else envs.env_fns[0]()  # async: a throwaway
+    names, layer = set(), probe
+    while layer is not None:
+        names |= {k for k, v in vars(layer).items() if isinstance(v, RunningMeanStd)}
+        layer = getattr(layer, "env", None)
+    if not hasattr(envs, "envs"):
+        probe.close()
+    return {name: [{"mean": torch.as_tensor(s.mean), "var": torch.as_tensor(s.var),
+                    "count": float(s.count)} for s in envs.get_attr(name)] for name in names}
+
+
+def restore_wrapper_statistics(envs, saved: dict):
+    """Sets the wrappers' running statistics back to the checkpoint's (rank 0's envs', under
+    torchrun), and says in one line which it cannot: those only one side has."""
+    now = wrapper_statistics(envs)
+    for name in now.keys() & saved.keys():
+        stats = envs.get_attr(name)
+        for s, state in zip(stats, saved[name]):
+            s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), state["count"]
+        envs.set_attr(name, list(stats))
+    if now.keys() != saved.keys():
+        print(f"note: env wrapper statistics {sorted(now.keys() ^ saved.keys())} are not "
+              f"restored: the checkpoint or these envs lack them (they start afresh)", flush=True)
+
+
+def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
             seed: int):
-    """A resume: the weights, Adam's state, the RNG, the fork's carry (its tensors on the
-    training device) and the recent returns, from the checkpoint. Under torchrun, every rank
-    then takes rank 0's weights and buffers."""
+    """A resume: the weights, Adam's state, the RNG, the env wrappers' running statistics, the
+    fork's carry (its tensors on the training device) and the recent returns, from the
+    checkpoint. Under torchrun, every rank then takes rank 0's weights and buffers."""
     if ckpt is not None:
+        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))
         load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
         optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"], device)
@@ -944,14 +981,15 @@ def restore(ckpt: dict | None, agent, optimizer, carry: dict, recent, device, ra
             dist.broadcast(t, src=0)
 
 
-def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, carry: dict):
+def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs, carry: dict):
     """Rank 0: says where the run goes, writes a new run's iteration-0 checkpoint (a run folder
     holds a checkpoint before anything else), and opens the TensorBoard writer (and wandb)."""
     shown = shown_path(run_dir)
     print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
+    say_device(args, next(agent.parameters()).device)
     os.makedirs(run_dir, exist_ok=True)
     if ckpt is None:
-        save_run(run_dir, agent, optimizer, args, 0, 0, [], carry)
+        save_run(run_dir, agent, optimizer, envs, args, 0, 0, [], carry)
     if args.track:  # a continued run continues the same wandb run: its id is the folder's name
         import wandb
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
@@ -965,13 +1003,13 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, carr
     return writer
 
 
-def save_run(run_dir: str, agent, optimizer, args: Args, global_step: int, iteration: int, recent,
-             carry: dict):
+def save_run(run_dir: str, agent, optimizer, envs, args: Args, global_step: int, iteration: int,
+             recent, carry: dict):
     save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "carry": carry}))
+        "env_statistics": wrapper_statistics(envs), "carry": carry}))
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):
@@ -1104,6 +1142,7 @@ def shown_path(path: str) -> str:
 
 def evaluate(args: Args, device: torch.device, explicit: set[str]):
     """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
+    say_device(args, device)
     torch.manual_seed(args.seed)  # the actions sampled: the same command plays the same games
     path = args.eval_checkpoint
     state = load_checkpoint(path)
@@ -1159,9 +1198,7 @@ def main(args: Args, explicit: set[str] | None = None):
             ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
         if args.resume is None and args.run_name is None:  # a resume is checked once merged
             check_args(args, world_size)
-        device, why = choose_device(args, local_rank, local_processes)
-        if rank == 0:
-            print(f"device: {device}{why}", flush=True)
+        device = choose_device(args, local_rank, local_processes)
         if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
             return evaluate(args, device, explicit) if rank == 0 else None
         if world_size > 1:

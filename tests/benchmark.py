@@ -13,7 +13,8 @@ reach; the last column shows SPS as a fraction of that turn-taking ceiling.
 `plain` is what a straightforward port does: sync envs, fp32, NCHW convolutions, a float32
 observation buffer, torch.distributions.Categorical. The other rows run ppo_atari.py itself in a
 subprocess and read its TensorBoard timings; `--compare FILE` adds a row running FILE with the
-first configuration's flags, and `--script FILE` benchmarks that copy instead of the repository's. All rows run in one
+first configuration's flags, and `--script FILE` benchmarks that copy instead of the
+repository's. All rows run in one
 invocation: `--rounds` passes over the configurations in turn, so that a slow spell of a noisy
 machine hits every row; each figure is the median over rounds, and every round's SPS is printed.
 With --cuda it also counts the host syncs of one rollout (torch.cuda.set_sync_debug_mode).

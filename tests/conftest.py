@@ -39,6 +39,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Imports the file under test as the module `ppo_atari`, before any test module does."""
     global SCRIPT
+    config.addinivalue_line("markers", "details: the tests that pin a published detail (wrappers, "
+                            "network and init, loss of record, GAE, optimizer, schedules), in "
+                            "process: `python -m pytest tests -m details --script COPY`")
     # Ctrl-C as a terminal has it, whoever started pytest: an ignored SIGINT (pytest run as a
     # script's background job) would stay ignored in every trainer the tests start
     signal.signal(signal.SIGINT, signal.default_int_handler)

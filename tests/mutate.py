@@ -124,8 +124,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "grads = [p.grad for p in agent.parameters() if p.grad is not None]",
      "grads = [p.grad for p in agent.parameters()]", "test_distributed.py"),
     ("Python callers' fields count as given",
-     "    if explicit is None:  # main(Args(...)) from Python: the fields that differ from "
-     "defaults\n", "    explicit = set() if explicit is None else explicit\n    if False:\n",
+     "    if explicit is None:\n", "    explicit = set() if explicit is None else explicit\n"
+     "    if False:\n",
      "test_checkpoint.py"),
     ("workers ignore SIGTERM, no timer", "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
      "signal.signal(signal.SIGTERM, lambda *_: signal.alarm(60))", "test_backends.py"),
@@ -149,17 +149,17 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("a network mismatch is one line", "        if mine != theirs:", "        if False:",
      "test_checkpoint.py"),
     ("SPS from this process's first iteration",
-     "first = first or (global_step, now, int(batch_steps / (now - t0)))",
-     "first = first or (global_step - batch_steps, t0, 0)", "test_train.py"),
+     "clock, sps = (global_step, now), int(batch_steps / (now - t0))",
+     "clock, sps = (global_step - batch_steps, t0), 0", "test_train.py"),
     ("--stop-at-step stops",
      "at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step",
      "at_stop = False", "test_checkpoint.py"),
-    ("a fork's carry is saved", '"recent_returns": list(recent), "carry": carry})',
-     '"recent_returns": list(recent)})',
+    ("a fork's carry is saved", '"env_statistics": wrapper_statistics(envs), "carry": carry}))',
+     '"env_statistics": wrapper_statistics(envs)}))',
      "test_checkpoint.py::test_a_forks_carry_survives_a_resume"),
     ("a fork's carry is restored",
-     'carry = map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)) if ckpt else {}',
-     "carry = {}",
+     'carry.update(map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)))',
+     "pass",
      "test_checkpoint.py::test_a_forks_carry_survives_a_resume"),
     ("observations must be (C, H, W)", "    if len(shape) != 3:", "    if False:",
      "test_train.py::test_observations_that_are_not_channels_first_are_refused_in_one_line"),
@@ -185,20 +185,30 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
     ("a partial first checkpoint starts again",
      'set(os.listdir(folder)) - {"checkpoint.pt.tmp"}', "os.listdir(folder)", INSTANT),
-    ("a missing agent.pt is written from the checkpoint", "    if not current:\n",
-     "    if False:\n", INSTANT),
+    ("agent.pt before the final checkpoint",  # swapped: agent.pt after the final checkpoint
+     "save_agent(run_dir, agent, args, global_step, iteration == num_iterations)\n"
+     "                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, "
+     "recent,\n                         carry)\n",
+     "pass\n"
+     "                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, "
+     "recent,\n                         carry)\n                if last:\n"
+     "                    save_agent(run_dir, agent, args, global_step, iteration == "
+     "num_iterations)\n", INSTANT),
     ("signals caught from the first instant",
-     "    stop, old_handlers = catch_stop_signals() if training else ([], {})\n",
+     "    stop, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else "
+     "([], {})\n",
      "    stop, old_handlers = [], {}\n", INSTANT),
     ("an ignored signal stays ignored",
      "                  if signal.getsignal(s) != signal.SIG_IGN}", "                  if True}",
      "test_preemption.py::test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it"),
-    ("a signalled start-up stops plainly", "        if not stop:  # while they start",
-     "        if True:  # while they start", INSTANT),
+    ("async workers born with Ctrl-C and SIGTERM blocked",
+     "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})",
+     "signal.pthread_sigmask(signal.SIG_BLOCK, set())", INSTANT),
     ("a crash after a mid-run signal keeps its traceback",
-     "        return train(args, explicit, stop)\n    finally:\n",
-     "        return train(args, explicit, stop)\n    except Exception:\n        if not stop:\n"
-     "            raise\n        raise SystemExit(128 + stop[0])\n    finally:\n",
+     "        return train(args, ckpt, device, stop, rank, world_size)\n    finally:\n",
+     "        return train(args, ckpt, device, stop, rank, world_size)\n    except Exception:\n"
+     "        if not stop:\n            raise\n        raise SystemExit(128 + stop[0])\n"
+     "    finally:\n",
      "test_preemption.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback"),
     ("evaluation on another id of the agent's game",
      '    env_id = args.env_id if "env_id" in explicit else trained\n',

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import tyro
 
-from conftest import SCRIPT, is_repository_file
+import ppo_atari as P
+from conftest import SCRIPT, is_repository_file, need
 
 FORKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forks")
 
@@ -47,29 +49,35 @@ BAD = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory):
-    """Starts every bad-input run at once (each pays torch's import time) and collects them."""
-    procs = {}
-    for name, (args, _) in BAD.items():
-        cwd = tmp_path_factory.mktemp(name)
-        (cwd / "keep.txt").write_text("precious")
-        procs[name] = (cwd, subprocess.Popen(
-            [sys.executable, SCRIPT, *args, "--no-cuda"], cwd=cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    return {name: (cwd, *p.communicate(timeout=300), p.returncode)
-            for name, (cwd, p) in procs.items()}
-
-
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_fails_with_one_clear_line(bad_runs, name):
-    cwd, stdout, stderr, code = bad_runs[name]
-    lines = stderr.splitlines()  # the error alone: no ALE banner, no warnings
-    assert code == 2, stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+def test_bad_input_fails_with_one_clear_line(name, workdir, capsys):
+    """In process (the command line's own path: tyro, then main): one line on stderr naming
+    the field, exit 2, nothing written."""
+    need("main")
+    argv = [*BAD[name][0], "--no-cuda"]
+    (workdir / "keep.txt").write_text("precious")
+    with pytest.raises(SystemExit) as exit_:
+        P.main(tyro.cli(P.Args, args=argv), P.explicit_fields(argv))
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert BAD[name][1] in lines[0]
-    assert "Traceback" not in stderr + stdout
-    assert sorted(os.listdir(cwd)) == ["keep.txt"] and (cwd / "keep.txt").read_text() == "precious"
+    assert sorted(os.listdir(workdir)) == ["keep.txt"] and (workdir / "keep.txt").read_text() == \
+        "precious"
+
+
+def test_bad_input_from_the_shell_is_one_line_without_a_traceback(tmp_path):
+    """The same as a user sees it: no ALE banner, no warning, no traceback, exit 2, for an error
+    of main's and for one of tyro's."""
+    for args, message in [(["--num-minibatches", "3"], "error: --num-minibatches 3 does not"),
+                          (["--env-backend", "ale"], "invalid choice 'ale'")]:
+        out = subprocess.run([sys.executable, SCRIPT, *args, "--no-cuda"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr + out.stdout
+        if message.startswith("error: "):
+            assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("fork", sorted(f for f in os.listdir(FORKS) if f.endswith(".diff")))

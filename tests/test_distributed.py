@@ -48,10 +48,11 @@ if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its loss calls
         open(f"calls{rank}.txt", "w").write(str(len(calls)))
         return loss, metrics | {"approx_kl": torch.tensor(kl)}
     P.minibatch_loss = minibatch_loss
-agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
-open(f"group{rank}.txt", "w").write(str(torch.distributed.is_initialized()))
-if agent is not None:
-    torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")
+if __name__ == "__main__":  # spawned async workers import this file as their main module
+    agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+    open(f"group{rank}.txt", "w").write(str(torch.distributed.is_initialized()))
+    if agent is not None:
+        torch.save(agent.state_dict(), f"rank{os.environ['RANK']}.pt")
 """
 
 
@@ -75,50 +76,6 @@ def by_hand(folders, *args, env=None):
                  LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1", **(env or {})))
         for rank, folder in enumerate(folders)]
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
-
-
-def test_two_processes_train_in_step_and_resume(tmp_path):
-    (tmp_path / "harness.py").write_text(HARNESS)
-    # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 2 iterations
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", "--num-steps", "32")
-    assert out.returncode == 0, out.stderr[-3000:]
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
-    (run,) = run_dirs(tmp_path)
-    events = [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
-    assert len(events) == 1, events
-    logged = scalars(run)
-    assert [s for s, _ in logged["charts/SPS"]] == [128, 256]  # both ranks' steps counted
-    ckpt = P.load_checkpoint(run)
-    assert ckpt["global_step"] == 256
-    assert all(torch.equal(ckpt["model"][k], r0[k]) for k in r0)  # rank 0 saved its own
-
-    # resume under torchrun: one more iteration, still one writer
-    out = torchrun(tmp_path, "--resume", run, "--total-timesteps", "384")
-    assert out.returncode == 0, out.stderr[-3000:]
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(r0[k], r1[k]) for k in r0)
-    assert P.load_checkpoint(run)["global_step"] == 384
-    assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384]
-    assert run_dirs(tmp_path) == [run]
-
-    # evaluation under torchrun: rank 0 alone plays and reports
-    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
-    out = torchrun(tmp_path, "--eval-checkpoint", run, "--eval-episodes", "1", "--no-cuda",
-                   script="ppo_atari.py")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("game 1: score") == 1
-    assert "over 1 game (agent at step 384)" in out.stdout
-
-
-def test_async_workers_start_after_the_process_group(tmp_path):
-    """Spawned env workers under torchrun: the parent has already joined the (gloo) group."""
-    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "128", "--env-backend", "async",
-                   script="ppo_atari.py")
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
-    assert P.load_checkpoint(run)["global_step"] == 128
 
 
 def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(tmp_path):
@@ -201,22 +158,44 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"
 
 
-def test_a_stop_under_torchrun_prints_a_torchrun_resume_line_that_finishes(tmp_path):
-    """--stop-at-step under torchrun: the printed line relaunches 2 processes (a plain python
-    line would be refused by the world-size check); it finishes the run, and once more it has
-    nothing to train and each rank leaves its process group destroyed."""
+def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
+    """torchrun, 2 processes: identical weights, one writer counting both ranks' steps; a stop
+    prints a torchrun line (a plain python line would be refused by the world-size check) that
+    continues the run, here with async env workers spawned after the process group; once more
+    it has nothing to train and each rank leaves its group destroyed; rank 0 alone evaluates."""
     (tmp_path / "harness.py").write_text(HARNESS)
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "384", "--stop-at-step", "128")
+    # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 2 iterations, then a stop
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "384", "--stop-at-step", "256")
     assert out.returncode == 0, out.stderr[-3000:]
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
+    (run,) = run_dirs(tmp_path)
+    events = [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
+    assert len(events) == 1, events
+    assert [s for s, _ in scalars(run)["charts/SPS"]] == [128, 256]  # both ranks' steps counted
+    ckpt = P.load_checkpoint(run)
+    assert ckpt["global_step"] == 256
+    assert all(torch.equal(ckpt["model"][k], r0[k]) for k in r0)  # rank 0 saved its own
     line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
     command = shlex.split(line.split(" with: ", 1)[1])
     assert command[:3] == ["torchrun", "--nproc_per_node", "2"], line
     assert command[3].endswith("harness.py") and command[4] == "--resume", line
-    for _ in range(2):  # the rest of the run, then nothing left to train
-        out = torchrun(tmp_path, *command[4:])
+
+    for backend in ("async", "sync"):  # the rest of the run, then nothing left to train
+        out = torchrun(tmp_path, *command[4:], "--env-backend", backend)
         assert out.returncode == 0, out.stderr[-3000:]
         assert [(tmp_path / f"group{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2, \
             "a rank returned with its process group still initialized"
-    (run,) = run_dirs(tmp_path)
-    assert P.load_checkpoint(run)["global_step"] == 384
     assert "is already complete" in out.stdout
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert P.load_checkpoint(run)["global_step"] == 384
+    assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384]
+    assert run_dirs(tmp_path) == [run]
+
+    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")  # rank 0 alone plays and reports
+    out = torchrun(tmp_path, "--eval-checkpoint", run, "--eval-episodes", "1", "--no-cuda",
+                   script="ppo_atari.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("game 1: score") == 1
+    assert "over 1 game (agent at step 384)" in out.stdout

@@ -8,6 +8,8 @@ import torch
 import ppo_atari as P
 from conftest import SCRIPT, need, need_text, obs_shape
 
+pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
+
 OBS = obs_shape()
 
 

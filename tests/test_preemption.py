@@ -1,6 +1,7 @@
 """--run-name: the same command continues a preempted run, and torchrun --max-restarts brings a
 run back after a worker is SIGKILLed; finished and foreign folders are left alone."""
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,21 +19,38 @@ def listing(folder):
     return {f: os.path.getmtime(os.path.join(folder, f)) for f in sorted(os.listdir(folder))}
 
 
-def test_same_command_after_sigterm_finishes_the_run_with_clean_curves(tmp_path):
-    total = 12 * ITER
-    command = [sys.executable, SCRIPT, *TINY, "--total-timesteps", str(total),
-               "--checkpoint-interval", "1000", "--run-name", "job"]
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def started(command, cwd):
+    """A training launch, returned once its first iteration is done (its first progress line)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     for line in proc.stdout:
         if line.startswith("step "):
             break
-    proc.send_signal(signal.SIGTERM)  # a preemption
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    return proc
+
+
+def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_curves(tmp_path):
+    """Ctrl-C: exit 130, a checkpoint and a resume line; that line, stopped by SIGTERM (a
+    preemption): exit 143; the same command as the first finishes the run, each iteration
+    logged once; once more, the run is complete and nothing is written."""
+    total = 12 * ITER
+    command = [sys.executable, SCRIPT, *TINY, "--total-timesteps", str(total),
+               "--checkpoint-interval", "1000", "--run-name", "job"]
     run = str(tmp_path / "runs" / "job")
+    proc = started(command, tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    (resume,) = [x.split("resume with: ", 1)[1] for x in out.splitlines() if "resume with: " in x]
+    first = P.load_checkpoint(run)["global_step"]
+    assert ITER <= first < total
+    assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False  # the latest
+    proc = started(shlex.split(resume), tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "resume with: " in out, err
     stopped_at = P.load_checkpoint(run)["global_step"]
-    assert ITER <= stopped_at < total
+    assert first < stopped_at < total
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"continuing runs/job at step {stopped_at:,} of {total:,}" in again.stdout
@@ -41,12 +59,26 @@ def test_same_command_after_sigterm_finishes_the_run_with_clean_curves(tmp_path)
     steps = [s for s, _ in scalars(run, raw=True)["charts/SPS"]]  # every event as written
     assert steps == list(range(ITER, total + 1, ITER)), "repeated or missing iterations"
 
-    # the same command once more: the run is complete, nothing is written
-    before = listing(run)
+    before = listing(run)  # the same command once more: complete, nothing is written
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"is already complete: it has run {total:,} steps" in done.stdout
     assert listing(run) == before
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(monkeypatch, capsys):
+    """The first Ctrl-C asks for a stop at the iteration's end; the second exits at once."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop, old = P.catch_stop_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop == [signal.SIGINT] and exits == []
+        os.kill(os.getpid(), signal.SIGINT)
+        assert exits == [130] and "second Ctrl-C: exiting now" in capsys.readouterr().err
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def test_a_folder_of_something_else_is_refused(workdir):
@@ -92,39 +124,6 @@ def worker_pids(parent):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
-    total = 12 * 2 * ITER  # 2 processes: 128 steps an iteration
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "--max-restarts", "1", SCRIPT, *TINY, "--total-timesteps", str(total),
-         "--checkpoint-interval", "3", "--run-name", "elastic", "--dist-timeout", "60"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
-    run = str(tmp_path / "runs" / "elastic")
-    deadline = time.time() + 200
-    while time.time() < deadline:  # the first periodic checkpoint (iteration 3)
-        path = os.path.join(run, "checkpoint.pt")
-        if os.path.exists(path) and P.load_checkpoint(path)["iteration"] >= 3:
-            break
-        time.sleep(0.2)
-    reached = P.load_checkpoint(run)["global_step"]
-    assert reached >= 3 * 2 * ITER
-    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "continuing" in out, "the restarted workers did not continue the run"
-    assert P.load_checkpoint(run)["global_step"] == total
-    # TensorBoard's view (events after the checkpoint purged): each iteration exactly once
-    steps = [s for s, _ in scalars(run)["charts/SPS"]]
-    assert steps == list(range(2 * ITER, total + 1, 2 * ITER))
-    # a checkpoint of 2 processes cannot be continued by 1
-    one = run_script([*TINY, "--total-timesteps", str(2 * total), "--run-name", "elastic"],
-                     cwd=tmp_path)
-    assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
-
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
     """Two torchrun agents as two nodes, each in its own folder: the node whose worker dies
     counts a restart and the other need not (TORCHELASTIC_RESTART_COUNT differs), yet the
@@ -160,8 +159,12 @@ def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
         "to join the group (and spent a restart)"
     assert "continuing" in outs[agents.index(first)], "the restarted workers did not continue"
     assert P.load_checkpoint(run)["global_step"] == total
-    steps = [s for s, _ in scalars(run)["charts/SPS"]]
+    steps = [s for s, _ in scalars(run)["charts/SPS"]]  # TensorBoard's view: events purged
     assert steps == list(range(2 * ITER, total + 1, 2 * ITER)), "repeated or missing iterations"
+    # a checkpoint of 2 processes cannot be continued by 1
+    one = run_script([*TINY, "--total-timesteps", str(2 * total), "--run-name", "mn"],
+                     cwd=os.path.dirname(os.path.dirname(run)))
+    assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
 
 
 TRAINER_IN_A_CHILD = """

@@ -3,9 +3,12 @@ checked against stepping the raw emulator by hand."""
 import cv2
 import gymnasium as gym
 import numpy as np
+import pytest
 
 import ppo_atari as P
 from conftest import need, obs_shape
+
+pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
 OBS = obs_shape()
 
