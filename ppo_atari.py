@@ -577,7 +577,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
     agent = agent.to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     # a fork's own state across iterations (a penalty coefficient, a running statistic): its
-    # first values go here; checkpoints save it and a resume restores it (see restore)
+    # first values go here; checkpoints save it and a resume restores it, tensors on `device`
+    # (tensors, numbers, str, None, and lists, tuples and dicts of them: see plain)
     carry = {}
     recent = collections.deque(maxlen=100)  # the returns of the last 100 finished games
     restore(ckpt, agent, optimizer, envs, carry, recent, device, rank, args.seed)
@@ -1003,8 +1004,22 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs
     return writer
 
 
+def plain(obj) -> bool:
+    """What a weights-only checkpoint loads: tensors, numbers, str, None, and lists, tuples and
+    dicts of them."""
+    if isinstance(obj, (list, tuple)):
+        return all(plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, (str, int)) and plain(v) for k, v in obj.items())
+    return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
+
+
 def save_run(run_dir: str, agent, optimizer, envs, args: Args, global_step: int, iteration: int,
              recent, carry: dict):
+    for key in [k for k, v in carry.items() if not plain(v)][:1]:
+        fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
+             f"keep a fork's state as tensors, numbers, str, None, or lists, tuples and dicts "
+             f"of them")
     save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,

@@ -247,6 +247,13 @@ class Truncating(gym.Env):
         return obs, float(action == 0), False, self.t % 5 == 0, {}
 
 
+def truncating_envs(args, seed, *a, **kw):
+    """make_envs(args, seed, ...) with the stand-in game, for main(Args(env_id="Truncating"))."""
+    thunk = lambda: gym.wrappers.RecordEpisodeStatistics(Truncating())  # noqa: E731
+    return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
 def reference_ppo_loss(newlogprob, entropy, newvalue, mb: dict, clip: float, args):
     """PPO's loss of record (CleanRL, baselines ppo2), written here apart from the file: the
     clipped surrogate, the clipped value error, the entropy bonus, with args' coefficients."""
@@ -297,7 +304,7 @@ def instrumented(tmp_path_factory):
     import torch
     import torch.nn as nn
     import ppo_atari as P
-    seen = {"adam": [], "clip": [], "loss": [], "gae": [], "optimizer": None}
+    seen = {"adam": [], "clip": [], "loss": [], "gae": [], "batch": [], "optimizer": None}
 
     class Adam(torch.optim.Adam):
         def __init__(self, params, *a, **kw):
@@ -306,6 +313,7 @@ def instrumented(tmp_path_factory):
             seen["optimizer"] = self
 
     real_clip, real_loss, real_gae = nn.utils.clip_grad_norm_, P.minibatch_loss, P.compute_gae
+    real_batch = P.make_batch
 
     def clip(params, max_norm, *a, **kw):
         seen["clip"].append(max_norm)
@@ -324,10 +332,12 @@ def instrumented(tmp_path_factory):
         seen["gae"][-1]["returns"] = returns.clone()
         return advantages, returns
 
-    def make_envs(args, seed, *a, **kw):
-        thunk = lambda: gym.wrappers.RecordEpisodeStatistics(Truncating())  # noqa: E731
-        return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
-                                        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    def make_batch(*a, **kw):  # whatever estimator the copy runs, its batch
+        batch = real_batch(*a, **kw)
+        if isinstance(batch, dict) and {"values", "returns"} <= set(batch):
+            seen["batch"].append({k: batch[k].detach().flatten().clone()
+                                  for k in ("values", "returns")})
+        return batch
 
     cwd = tmp_path_factory.mktemp("instrumented")
     with pytest.MonkeyPatch.context() as mp:  # one run shared by the tests that read it
@@ -336,7 +346,8 @@ def instrumented(tmp_path_factory):
         mp.setattr(nn.utils, "clip_grad_norm_", clip)
         mp.setattr(P, "minibatch_loss", loss)
         mp.setattr(P, "compute_gae", gae)
-        mp.setattr(P, "make_envs", make_envs)
+        mp.setattr(P, "make_batch", make_batch)
+        mp.setattr(P, "make_envs", truncating_envs)
         mp.setattr(P, "check_env_id", lambda env_id: None)
         P.main(P.Args(env_id="Truncating", num_envs=4, num_steps=16, num_minibatches=4,
                       update_epochs=3, total_timesteps=128, anneal_clip=True, cuda=False,
@@ -351,6 +362,14 @@ def loss_calls(instrumented) -> list:
          "clip_coef, args, ...)", problem=None if instrumented["loss"] else
          "this copy's training never called minibatch_loss")
     return instrumented["loss"]
+
+
+def gae_calls(instrumented) -> list:
+    """The recorded calls of compute_gae; skips when training estimates advantages otherwise."""
+    need(what="training to estimate advantages by calling compute_gae(rewards, values, dones, "
+         "next_value, gamma, gae_lambda)", problem=None if instrumented["gae"] else
+         "this copy's training never called compute_gae (another advantage estimator?)")
+    return instrumented["gae"]
 
 
 def run_script(args, cwd, script=None, timeout=300, env=None):

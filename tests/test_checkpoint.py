@@ -99,21 +99,22 @@ def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
     P.main(tiny_args(total_timesteps=total))
     (full,) = run_dirs(workdir / "a")
 
-    # run b crashes in iteration 3, after the checkpoint of iteration 2
+    # run b crashes in iteration 3, after the checkpoint of iteration 2: at its first env step
+    # (the envs are the one seam every fork of the estimator, the loss or the network keeps)
     (workdir / "b").mkdir()
     monkeypatch.chdir(workdir / "b")
-    calls, real_gae = [], P.compute_gae
+    calls, real_step = [], gym.vector.SyncVectorEnv.step
 
-    def crashing_gae(*a, **kw):
+    def crashing_step(self, *a, **kw):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 2 * 32 + 1:
             raise RuntimeError("simulated crash")
-        return real_gae(*a, **kw)
+        return real_step(self, *a, **kw)
 
-    monkeypatch.setattr(P, "compute_gae", crashing_gae)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        P.main(tiny_args(total_timesteps=total, checkpoint_interval=2))
-    monkeypatch.setattr(P, "compute_gae", real_gae)
+    with monkeypatch.context() as crash:
+        crash.setattr(gym.vector.SyncVectorEnv, "step", crashing_step)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            P.main(tiny_args(total_timesteps=total, checkpoint_interval=2))
     (run,) = run_dirs(workdir / "b")
     assert P.load_checkpoint(run)["iteration"] == 2
     P.main(tiny_args(resume=run), explicit={"resume"})
@@ -501,3 +502,23 @@ def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
         "the resumed envs did not continue the checkpoint's running reward statistics"
     final = M.load_checkpoint("runs/norm")["env_statistics"]["return_rms"]
     assert all(f["count"] > s["count"] for f, s in zip(final, saved)), "the statistics restarted"
+
+
+def test_carry_refuses_what_a_checkpoint_cannot_hold_in_one_line(workdir, monkeypatch, capsys):
+    """carry keeps tensors (back on the training device), numbers, str, None and containers of
+    them; anything else (a numpy array, an object) is refused at the first checkpoint, in one
+    line naming the key, before any training."""
+    need("main")
+    real = P.restore
+
+    def restore(ckpt, agent, optimizer, envs, carry, *a, **kw):
+        real(ckpt, agent, optimizer, envs, carry, *a, **kw)
+        carry["stats"] = np.zeros(3)
+
+    monkeypatch.setattr(P, "restore", restore)
+    with pytest.raises(SystemExit) as exit_:
+        P.main(tiny_args(total_timesteps=64, run_name="bad"))
+    err = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert "carry['stats'] is a ndarray, which a checkpoint cannot hold" in err[0]
+    assert not os.path.exists("runs/bad/checkpoint.pt")

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import loss_calls, need, obs_shape
+from conftest import gae_calls, loss_calls, need, obs_shape, truncating_envs
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -243,7 +243,7 @@ def test_every_metric_of_the_training_loss_is_logged(instrumented):
 
 def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumented):
     need("compute_gae")
-    first = instrumented["gae"][0]
+    first = gae_calls(instrumented)[0]
     dones, next_value = first["dones"], first["next_value"]
     assert dones.shape == (16, 4)
     assert torch.equal(dones[:, 0], torch.tensor([float((t + 1) % 5 == 0) for t in range(16)]))
@@ -253,11 +253,13 @@ def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumente
 def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):
     """losses/explained_variance = 1 - Var[returns - values] / Var[returns] over the iteration's
     batch (the rollout's values against GAE's returns), as CleanRL and baselines log it."""
-    need("compute_gae")
+    batches = instrumented["batch"]
+    need(what="make_batch(...) returning the batch dict with its values and returns",
+         problem=None if batches else "this copy's make_batch returned no such dict")
     logged = instrumented["logged"]["losses/explained_variance"]
-    assert len(logged) == len(instrumented["gae"]) == 2
-    for (_, value), call in zip(logged, instrumented["gae"]):
-        values, returns = call["values"].flatten().double(), call["returns"].flatten().double()
+    assert len(logged) == len(batches) == 2
+    for (_, value), batch in zip(logged, batches):
+        values, returns = batch["values"].double(), batch["returns"].double()
         expected = 1 - torch.var(returns - values) / torch.var(returns)
         assert value == pytest.approx(expected.item(), rel=1e-4, abs=1e-6), (
             "explained variance of record: 1 - Var[returns - values] / Var[returns]")
@@ -281,3 +283,30 @@ def test_target_kl_ends_the_update_after_the_epoch_that_crosses_it(workdir, monk
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
                   total_timesteps=2 * 64, target_kl=1e9))
     assert len(calls) == 2 * 4 * 2, "a target no KL reaches must not stop any epoch"
+
+
+def test_every_iteration_updates_as_ppo_does(workdir, monkeypatch):
+    """Four iterations, so that a fork's extra phase every k <= 4 iterations (an auxiliary
+    update, a distillation pass) shows: PPO's update makes update_epochs x num_minibatches
+    optimizer steps in every iteration, no more and no fewer."""
+    need("main")
+    per_iteration, real_rollout, real_step = [], P.rollout, torch.optim.Adam.step
+
+    def rollout(*a, **kw):  # a new iteration starts
+        per_iteration.append(0)
+        return real_rollout(*a, **kw)
+
+    def step(self, *a, **kw):
+        if per_iteration:
+            per_iteration[-1] += 1
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(P, "rollout", rollout)
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    monkeypatch.setattr(P, "make_envs", truncating_envs)
+    monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
+    P.main(P.Args(env_id="Truncating", num_envs=2, num_steps=16, num_minibatches=2,
+                  update_epochs=2, total_timesteps=4 * 32, cuda=False, run_name="phases"))
+    assert per_iteration == [4] * 4, (
+        f"optimizer steps in each of 4 iterations: PPO's update makes update_epochs x "
+        f"num_minibatches = 4 in every one; this copy's: {per_iteration} (a phase of its own?)")

@@ -159,22 +159,24 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
 
 
 def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
-    """torchrun, 2 processes: identical weights, one writer counting both ranks' steps; a stop
-    prints a torchrun line (a plain python line would be refused by the world-size check) that
-    continues the run, here with async env workers spawned after the process group; once more
-    it has nothing to train and each rank leaves its group destroyed; rank 0 alone evaluates."""
+    """torchrun, 2 processes, 4 iterations (a fork's phase every k <= 4 iterations that skips
+    the gradient all-reduce makes the ranks' weights part): identical weights, one writer
+    counting both ranks' steps; a stop prints a torchrun line (a plain python line would be
+    refused by the world-size check) that continues the run, here with async env workers
+    spawned after the process group; once more it has nothing to train and each rank leaves
+    its group destroyed; rank 0 alone evaluates."""
     (tmp_path / "harness.py").write_text(HARNESS)
-    # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 2 iterations, then a stop
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "384", "--stop-at-step", "256")
+    # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 4 iterations, then a stop
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "640", "--stop-at-step", "512")
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
     (run,) = run_dirs(tmp_path)
     events = [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
     assert len(events) == 1, events
-    assert [s for s, _ in scalars(run)["charts/SPS"]] == [128, 256]  # both ranks' steps counted
+    assert [s for s, _ in scalars(run)["charts/SPS"]] == [128, 256, 384, 512]  # both ranks'
     ckpt = P.load_checkpoint(run)
-    assert ckpt["global_step"] == 256
+    assert ckpt["global_step"] == 512
     assert all(torch.equal(ckpt["model"][k], r0[k]) for k in r0)  # rank 0 saved its own
     line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
     command = shlex.split(line.split(" with: ", 1)[1])
@@ -189,8 +191,8 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert "is already complete" in out.stdout
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
-    assert P.load_checkpoint(run)["global_step"] == 384
-    assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384]
+    assert P.load_checkpoint(run)["global_step"] == 640
+    assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384, 512, 640]
     assert run_dirs(tmp_path) == [run]
 
     shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")  # rank 0 alone plays and reports
@@ -198,4 +200,4 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
                    script="ppo_atari.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("game 1: score") == 1
-    assert "over 1 game (agent at step 384)" in out.stdout
+    assert "over 1 game (agent at step 640)" in out.stdout
