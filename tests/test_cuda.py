@@ -11,8 +11,8 @@ import ppo_atari as P
 from conftest import SCRIPT, free_port, need, obs_shape, run_dirs, run_script, scalars
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA: this machine has no GPU (tests/gpu_check.sh "
-                                       "runs these where one is)")
+                                reason="no CUDA on this machine (tests/gpu_check.sh runs these "
+                                       "where there is)")
 
 TWO = ["--total-timesteps", "2048"]  # two iterations of the default 8 envs x 128 steps
 
@@ -89,7 +89,7 @@ def test_the_first_update_on_cpu_and_cuda_agree_in_every_loss_metric(monkeypatch
             f"losses/{name}: {on_cpu:.6g} on the CPU, {on_cuda:.6g} on CUDA")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs for an NCCL run")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two GPUs: no NCCL run")
 def test_two_processes_on_two_gpus_with_nccl(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
