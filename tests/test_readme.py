@@ -11,12 +11,13 @@ import pytest
 
 from conftest import ROOT, is_repository_file
 
-README = open(os.path.join(ROOT, "README.md")).read()
+def readme() -> str:
+    return open(os.path.join(ROOT, "README.md")).read()
 
 
 def blocks() -> list[str]:
     """README's ```bash blocks, with backslash-continued lines joined."""
-    return [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", README, re.S)]
+    return [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", readme(), re.S)]
 
 
 def command(starts: str) -> str:
@@ -48,7 +49,8 @@ def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    table = README[README.index("## What to expect"):README.index("## Forking")]
+    text = readme()
+    table = text[text.index("## What to expect"):text.index("## Forking")]
     for seed, row in [("seed1-lost", "| 13.7 | 22.1 | 52.0 |"), ("seed2", "| 12.9 | 25.4 | 64.7 |"),
                       ("seed3", "| 12.1 | 24.4 | 36.5 |"),
                       ("mean", "| 12.9 ± 0.7 | 24.0 ± 1.4 | 51.0 ± 11.5 |")]:
