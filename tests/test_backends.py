@@ -79,6 +79,11 @@ def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path):
     source = open(SCRIPT).read()
     original = "        return float(np.sign(reward))\n"
     need_text(original, "ClipReward's line `return float(np.sign(reward))`, which it edits")
+    layer, chain = P.make_env("BreakoutNoFrameskip-v4", 0)(), []
+    while layer is not None:
+        chain, layer = chain + [type(layer).__name__], getattr(layer, "env", None)
+    need(what="ClipReward among make_env's wrappers (the wrapper this test edits)",
+         problem=None if "ClipReward" in chain else f"this copy's make_env wraps {chain}")
     edited = source.replace(original, "        raise RuntimeError('edited ClipReward ran')\n")
     (tmp_path / "ppo_atari.py").write_text(edited)
     out = run_script([*TINY, "--total-timesteps", "64"], cwd=tmp_path,
