@@ -207,6 +207,13 @@ def need_text(text: str, what: str):
     need(what=what, problem=None if count == 1 else f"this copy has it {count} times")
 
 
+def expect(*checks):
+    """Several details at once: fails naming every one that does not hold, so that one failed
+    pin never hides the next. Each check is (holds, "detail: published X; this copy Y")."""
+    failed = [message for holds, message in checks if not holds]
+    assert not failed, "\n".join(failed)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,30 +235,49 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{len(tests)} test(s) {reason}: {', '.join(tests)}")
 
 
-class Truncating(gym.Env):
-    """Atari-shaped stand-in game (the file's observation shape, 4 actions): random frames,
-    reward 1 on action 0, truncated every 5 steps."""
+class StandIn(gym.Wrapper):
+    """The suite's stand-in games play their own frames, rewards and episode ends over the
+    copy's own wrapper stack (make_env's Breakout), which they never step. The spaces, and every
+    attribute gymnasium's API reaches through wrappers (get_wrapper_attr, a vector env's
+    get_attr/set_attr: a fork's NormalizeReward statistics, say), come from that stack, so a
+    fork that reads or sets a wrapper's attribute gets the real checks, not a setup error."""
 
     def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, obs_shape(), np.uint8)
+        import ppo_atari as P
+        super().__init__(P.make_env("BreakoutNoFrameskip-v4", seed=0)())
         self.action_space = gym.spaces.Discrete(4)
+        self.rng = np.random.default_rng(0)
 
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        return self.first(), {}
+
+    def frame(self, high=255):
+        return self.rng.integers(0, high, self.observation_space.shape, dtype=np.uint8)
+
+
+class Truncating(StandIn):
+    """Random frames, reward 1 on action 0, truncated every 5 steps."""
+
+    def first(self):
         self.t = 0
-        return self.np_random.integers(0, 255, self.observation_space.shape, dtype=np.uint8), {}
+        return self.frame()
 
     def step(self, action):
         self.t += 1
-        obs = self.np_random.integers(0, 255, self.observation_space.shape, dtype=np.uint8)
-        return obs, float(action == 0), False, self.t % 5 == 0, {}
+        return self.frame(), float(action == 0), False, self.t % 5 == 0, {}
 
 
 def truncating_envs(args, seed, *a, **kw):
     """make_envs(args, seed, ...) with the stand-in game, for main(Args(env_id="Truncating"))."""
-    thunk = lambda: gym.wrappers.RecordEpisodeStatistics(Truncating())  # noqa: E731
-    return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
-                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    return stand_in_envs(Truncating, args.num_envs)
+
+
+def stand_in_envs(game, n: int):
+    """A vector env of n stand-in games, each with its full-game statistics as make_env's are."""
+    thunk = lambda: gym.wrappers.RecordEpisodeStatistics(game())  # noqa: E731
+    return gym.vector.SyncVectorEnv([thunk] * n, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def reference_ppo_loss(newlogprob, entropy, newvalue, mb: dict, clip: float, args):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import gae_calls, loss_calls, need, obs_shape, truncating_envs
+from conftest import expect, gae_calls, loss_calls, need, obs_shape, truncating_envs
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -69,7 +69,10 @@ def test_the_entropy_term_pushes_towards_more_entropy():
     loss.backward()
     with torch.no_grad():  # a small step against the gradient must raise the entropy
         stepped = torch.log_softmax(logits - 0.1 * logits.grad, -1)
-    assert -(stepped.exp() * stepped).sum() > entropy.detach().sum()
+    after = -(stepped.exp() * stepped).sum()
+    assert after > entropy.detach().sum(), (
+        f"the entropy bonus (- ent_coef * entropy in the loss) raises the entropy; a step "
+        f"against this copy's gradient moved it from {entropy.item():.6f} to {after.item():.6f}")
 
 
 def test_entropy_is_that_of_the_categorical_policy():
@@ -80,9 +83,11 @@ def test_entropy_is_that_of_the_categorical_policy():
             p.zero_()
     obs = torch.randint(0, 255, (8, *OBS), dtype=torch.uint8)
     _, logprob, entropy, _ = agent.get_action_and_value(obs, torch.zeros(8, dtype=torch.long))
-    torch.testing.assert_close(entropy, torch.full((8,), math.log(4)), msg="the policy of record "
-                               "is a categorical over the actions (uniform here: entropy log 4)")
-    torch.testing.assert_close(logprob, torch.full((8,), -math.log(4)))
+    expect((torch.allclose(entropy, torch.full((8,), math.log(4))), f"the policy of record is a "
+            f"categorical over the actions (uniform here): entropy log 4 = {math.log(4):.4f}; "
+            f"this copy's {entropy[0].item():.4f}"),
+           (torch.allclose(logprob, torch.full((8,), -math.log(4))), f"a uniform categorical's "
+            f"log-probability: -log 4 = {-math.log(4):.4f}; this copy's {logprob[0].item():.4f}"))
 
 
 def test_policy_gradient_flows_through_the_ratio():
@@ -95,7 +100,9 @@ def test_policy_gradient_flows_through_the_ratio():
     adv = b["advantages"]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     ratio = (newlogprob - b["logprob"]).exp().detach()
-    torch.testing.assert_close(newlogprob.grad, -adv * ratio / 8)
+    torch.testing.assert_close(newlogprob.grad, -adv * ratio / 8, msg=lambda m: (
+        "the policy gradient flows through the ratio: d pg_loss / d logp = -A * ratio / B "
+        f"(normalized advantages, nothing clipped); this copy's differs: {m}"))
 
 
 def test_advantage_normalization_is_per_minibatch_and_affine_invariant():
@@ -104,10 +111,12 @@ def test_advantage_normalization_is_per_minibatch_and_affine_invariant():
     _, base = P.ppo_loss(**b, clip_coef=0.1)
     b["advantages"] = b["advantages"] * 7.0 + 5.0
     _, moved = P.ppo_loss(**b, clip_coef=0.1)
-    # the same pg_loss: mean and scale removed
-    torch.testing.assert_close(base["policy_loss"], moved["policy_loss"])
     _, raw = P.ppo_loss(**b, clip_coef=0.1, norm_adv=False)
-    assert not torch.isclose(raw["policy_loss"], base["policy_loss"])
+    expect((torch.isclose(base["policy_loss"], moved["policy_loss"]), f"advantages normalized "
+            f"per minibatch (mean and scale removed): 7 A + 5 gives A's pg_loss "
+            f"{base['policy_loss']:.5f}; this copy's {moved['policy_loss']:.5f}"),
+           (not torch.isclose(raw["policy_loss"], base["policy_loss"]), "--no-norm-adv uses the "
+            "advantages as they are; this copy's pg_loss is the normalized one"))
 
 
 def test_value_loss_is_half_the_clipped_squared_error():
@@ -117,11 +126,15 @@ def test_value_loss_is_half_the_clipped_squared_error():
     newvalue = torch.tensor([0.5, 0.05])  # the first moved more than clip 0.2: clipped to 0.2
     _, m = P.ppo_loss(zero, zero, newvalue, zero, zero, returns, values, 0.2)
     expected = 0.5 * (max((0.5 - 1) ** 2, (0.2 - 1) ** 2) + max(2.05 ** 2, 2.05 ** 2)) / 2
-    assert math.isclose(m["value_loss"].item(), expected, rel_tol=1e-6)
     _, plain = P.ppo_loss(zero, zero, newvalue, zero, zero, returns, values, 0.2,
                           clip_vloss=False)
-    assert math.isclose(plain["value_loss"].item(), 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2,
-                        rel_tol=1e-6)
+    unclipped = 0.5 * ((0.5 - 1) ** 2 + 2.05 ** 2) / 2
+    expect((math.isclose(m["value_loss"].item(), expected, rel_tol=1e-6), f"value loss of record "
+            f"(baselines ppo2): 0.5 * mean(max(unclipped, clipped squared error)) = "
+            f"{expected:.5f}; this copy's {m['value_loss'].item():.5f}"),
+           (math.isclose(plain["value_loss"].item(), unclipped, rel_tol=1e-6), f"--no-clip-vloss: "
+            f"0.5 * mean squared error = {unclipped:.5f}; this copy's "
+            f"{plain['value_loss'].item():.5f}"))
 
 
 def singular_values(layer):
@@ -160,21 +173,23 @@ def test_orthogonal_init_gain(part, gain):
     layers = hidden_layers(agent) if part == "hidden" else [getattr(agent, part, None)]
     if part != "hidden":
         need("Agent heads")
+    checks = []
     for layer in layers:
         values = singular_values(layer)
-        assert torch.allclose(values, torch.full_like(values, gain), rtol=1e-4, atol=1e-6), (
-            f"{part} layers: orthogonal init with gain {gain:.4g} (published); this copy's "
-            f"{type(layer).__name__} has singular values {values.min():.4g}..{values.max():.4g}")
+        checks.append((torch.allclose(values, torch.full_like(values, gain), rtol=1e-4, atol=1e-6),
+                       f"{part} layers: orthogonal init with gain {gain:.4g} (published); this "
+                       f"copy's {type(layer).__name__} has singular values "
+                       f"{values.min():.4g}..{values.max():.4g}"))
+    expect(*checks)
 
 
 def test_biases_start_at_zero():
     need("Agent heads")
     agent = P.Agent(OBS, 6)
-    for name, layer in [("hidden", m) for m in hidden_layers(agent)] + [
-            ("actor", agent.actor), ("critic", agent.critic)]:
-        assert torch.count_nonzero(layer.bias) == 0, (
-            f"biases start at zero (published); this copy's {name} {type(layer).__name__} has "
-            f"{int(torch.count_nonzero(layer.bias))} non-zero")
+    expect(*[(torch.count_nonzero(layer.bias) == 0, f"biases start at zero (published); this "
+              f"copy's {name} {type(layer).__name__} has {int(torch.count_nonzero(layer.bias))} "
+              f"non-zero") for name, layer in [("hidden", m) for m in hidden_layers(agent)] + [
+                  ("actor", agent.actor), ("critic", agent.critic)]])
 
 
 def test_observations_are_scaled_to_unit_range():
@@ -183,14 +198,17 @@ def test_observations_are_scaled_to_unit_range():
     obs = torch.randint(0, 256, (3, *OBS), dtype=torch.uint8)
     logits, value = agent(obs)
     hidden = agent.network(obs.float() / 255.0)
-    torch.testing.assert_close(value, agent.critic(hidden).squeeze(-1))
-    torch.testing.assert_close(logits, agent.actor(hidden))
+    expect((torch.allclose(value, agent.critic(hidden).squeeze(-1), atol=1e-6) and
+            torch.allclose(logits, agent.actor(hidden), atol=1e-6), "frames are scaled to [0, 1] "
+            "(x / 255) before the trunk (published); this copy's outputs differ from that"))
 
 
 def test_adam_eps_and_learning_rate(instrumented):
-    (kw,) = instrumented["adam"]
-    assert kw.get("eps") == 1e-5, f"Adam eps of record: 1e-5; this copy's: {kw.get('eps')}"
-    assert kw.get("lr") == 2.5e-4, f"Adam lr of record: 2.5e-4; this copy's: {kw.get('lr')}"
+    adams = instrumented["adam"]
+    assert len(adams) == 1, f"one Adam optimizer (published); this copy's made {len(adams)}"
+    kw = adams[0]
+    expect((kw.get("eps") == 1e-5, f"Adam eps of record: 1e-5; this copy's: {kw.get('eps')}"),
+           (kw.get("lr") == 2.5e-4, f"Adam lr of record: 2.5e-4; this copy's: {kw.get('lr')}"))
 
 
 def test_gradient_norm_clipped_at_every_minibatch_step(instrumented):
@@ -201,13 +219,21 @@ def test_gradient_norm_clipped_at_every_minibatch_step(instrumented):
 
 def test_epochs_shuffled_minibatches_and_annealing(instrumented):
     calls = loss_calls(instrumented)
-    assert len(calls) == 2 * 3 * 4, "2 iterations x 3 epochs x 4 minibatches"
+    assert len(calls) == 2 * 3 * 4, (f"minibatch losses of 2 iterations x 3 epochs x 4 "
+                                     f"minibatches: 24; this copy's {len(calls)}")
     # lr 2.5e-4 and clip_coef 0.1 annealed linearly: full in iteration 1, half in iteration 2
-    assert [round(c["clip_coef"], 6) for c in calls] == [0.1] * 12 + [0.05] * 12
-    assert [c["lr"] for c in calls] == [2.5e-4] * 12 + [1.25e-4] * 12
+    clips, lrs = sorted({round(c["clip_coef"], 6) for c in calls}), sorted({c["lr"] for c in calls})
     epochs = [torch.cat([c["actions"] for c in calls[e * 4:(e + 1) * 4]]) for e in range(3)]
-    assert len(epochs[0]) == 64, "each epoch passes over the whole batch of 4 envs x 16 steps"
-    assert not all(torch.equal(epochs[0], e) for e in epochs[1:]), "minibatches not reshuffled"
+    expect(([round(c["clip_coef"], 6) for c in calls] == [0.1] * 12 + [0.05] * 12,
+            f"--anneal-clip: clip 0.1 in iteration 1 of 2, 0.05 in iteration 2 (linear to 0); "
+            f"this copy's values {clips}"),
+           ([c["lr"] for c in calls] == [2.5e-4] * 12 + [1.25e-4] * 12, f"learning rate "
+            f"annealed linearly: 2.5e-4 in iteration 1 of 2, 1.25e-4 in iteration 2; this "
+            f"copy's values {lrs}"),
+           (len(epochs[0]) == 64, f"each epoch passes over the whole batch of 4 envs x 16 steps "
+            f"(64); this copy's first epoch {len(epochs[0])}"),
+           (not all(torch.equal(epochs[0], e) for e in epochs[1:]), "minibatches are reshuffled "
+            "every epoch (published); this copy's epochs repeat one order"))
 
 
 def test_the_first_minibatch_has_ratio_one_no_clipping_and_no_kl(instrumented):
@@ -215,39 +241,48 @@ def test_the_first_minibatch_has_ratio_one_no_clipping_and_no_kl(instrumented):
     are the rollout policy's, so the ratio is exactly 1, nothing is clipped, both KL estimates
     are 0, and the surrogate of normalized advantages (mean 0) is 0."""
     first = loss_calls(instrumented)[0]
-    if "ratio_gap" in first:
-        assert first["ratio_gap"] < 1e-5, "stored log-probabilities are not the rollout policy's"
-    m = first["metrics"]
+    m, gap = first["metrics"], first.get("ratio_gap", 0.0)
+    checks = [(gap < 1e-5, f"the stored log-probabilities are the rollout policy's (ratio 1 "
+               f"before the first step); this copy's differ by {gap:.3g}")]
     for name, bound in [("old_approx_kl", 1e-6), ("approx_kl", 1e-6), ("clipfrac", 0.0),
                         ("value_clipfrac", 0.0), ("policy_loss", 1e-5)]:
         hint = " (advantages normalized per minibatch?)" if name == "policy_loss" else ""
-        assert abs(m[name]) <= bound, (
-            f"{name} of the first minibatch (ratio 1; advantages normalized to mean 0): 0 "
-            f"published, this copy's {m[name]:.3g}{hint}")
-    assert 0 < m["entropy"] <= math.log(4) + 1e-6, f"entropy of 4 actions: in (0, log 4]; " \
-        f"this copy's {m['entropy']:.4g}"
+        checks.append((abs(m[name]) <= bound, f"{name} of the first minibatch (ratio 1; "
+                       f"advantages normalized to mean 0): 0 published, this copy's "
+                       f"{m[name]:.3g}{hint}"))
+    expect(*checks, (0 < m["entropy"] <= math.log(4) + 1e-6, f"entropy of 4 actions: in "
+                     f"(0, log 4]; this copy's {m['entropy']:.4g}"))
 
 
 def test_every_metric_of_the_training_loss_is_logged(instrumented):
     """A metric is one entry in the loss's dict: logged as losses/<name>, the mean over the
     iteration's minibatches; grad_norm, the norm before clipping, is logged by default."""
     calls, logged = loss_calls(instrumented), instrumented["logged"]
+    checks = []
     for name in calls[0]["metrics"]:
-        assert f"losses/{name}" in logged, f"metric {name} of the loss is not logged"
         per_iteration = [sum(c["metrics"][name] for c in calls[i * 12:(i + 1) * 12]) / 12
                          for i in range(2)]
-        assert [v for _, v in logged[f"losses/{name}"]] == pytest.approx(per_iteration, rel=1e-5)
-    assert "losses/grad_norm" in logged, "losses/grad_norm (the norm before clipping) not logged"
-    assert all(v > 0 for _, v in logged["losses/grad_norm"])
+        got = [v for _, v in logged.get(f"losses/{name}", [])]
+        checks.append((got == pytest.approx(per_iteration, rel=1e-5), f"losses/{name}: the mean "
+                       f"of the metric over each iteration's 12 minibatches, "
+                       f"{[f'{v:.6g}' for v in per_iteration]}; this copy logged "
+                       f"{[f'{v:.6g}' for v in got]}"))
+    grad_norms = [v for _, v in logged.get("losses/grad_norm", [])]
+    expect(*checks, (len(grad_norms) == 2 and all(v > 0 for v in grad_norms), f"losses/grad_norm "
+                     f"(the norm before clipping) logged at each iteration; this copy's "
+                     f"{grad_norms}"))
 
 
 def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumented):
     need("compute_gae")
     first = gae_calls(instrumented)[0]
     dones, next_value = first["dones"], first["next_value"]
-    assert dones.shape == (16, 4)
-    assert torch.equal(dones[:, 0], torch.tensor([float((t + 1) % 5 == 0) for t in range(16)]))
-    assert torch.all(next_value != 0), "the last observation's value was not used"
+    expected = torch.tensor([float((t + 1) % 5 == 0) for t in range(16)])
+    expect((dones.shape == (16, 4) and torch.equal(dones[:, 0], expected), f"a truncation "
+            f"(every 5 steps here) is a done at the step that ended it: {expected.tolist()}; "
+            f"this copy's GAE got {dones[:, 0].tolist() if dones.dim() == 2 else dones.shape}"),
+           (bool(torch.all(next_value != 0)), "GAE bootstraps from the value of the observation "
+            "after the rollout's last step; this copy's next_value is 0"))
 
 
 def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):
@@ -257,7 +292,8 @@ def test_explained_variance_is_one_minus_the_residual_variance_share(instrumente
     need(what="make_batch(...) returning the batch dict with its values and returns",
          problem=None if batches else "this copy's make_batch returned no such dict")
     logged = instrumented["logged"]["losses/explained_variance"]
-    assert len(logged) == len(batches) == 2
+    assert len(logged) == len(batches) == 2, (f"one explained variance per iteration (2); this "
+                                              f"copy logged {len(logged)} over {len(batches)}")
     for (_, value), batch in zip(logged, batches):
         values, returns = batch["values"].double(), batch["returns"].double()
         expected = 1 - torch.var(returns - values) / torch.var(returns)

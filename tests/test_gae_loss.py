@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, need, need_text, obs_shape
+from conftest import SCRIPT, expect, need, need_text, obs_shape
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -43,15 +43,21 @@ def test_hand_computed_done_mid_rollout():
     # rewards 1 each step, values 0, episode ends after step 1, bootstrap value 10
     adv, ret = gae([[1.0], [1.0], [1.0]], [[0.0], [0.0], [0.0]], [[0.0], [1.0], [0.0]], [10.0],
                    gamma=0.9, lam=1.0)
-    np.testing.assert_allclose(adv[:, 0], [1.9, 1.0, 10.0])
-    np.testing.assert_allclose(ret, adv)  # values are zero
+    expect((np.allclose(adv[:, 0], [1.9, 1.0, 10.0]),
+            f"GAE cut at a done (gamma 0.9, lambda 1, done after step 1, bootstrap 10): "
+            f"advantages [1.9, 1.0, 10.0]; this copy's {adv[:, 0].round(6).tolist()}"),
+           (np.allclose(ret, adv), f"returns = advantages + values (values 0 here): "
+            f"{adv[:, 0].round(6).tolist()}; this copy's {ret[:, 0].round(6).tolist()}"))
 
 
 def test_hand_computed_done_at_last_step_ignores_bootstrap():
     adv, ret = gae([[0.0], [2.0]], [[1.0], [0.5]], [[0.0], [1.0]], [100.0], gamma=0.5, lam=0.5)
     # t=1: 2 - 0.5 = 1.5 (no bootstrap); t=0: 0 + 0.5*0.5 - 1 + 0.25*1.5 = -0.375
-    np.testing.assert_allclose(adv[:, 0], [-0.375, 1.5])
-    np.testing.assert_allclose(ret[:, 0], [0.625, 2.0])
+    expect((np.allclose(adv[:, 0], [-0.375, 1.5]),
+            f"GAE with a done at the last step takes no bootstrap value: advantages "
+            f"[-0.375, 1.5]; this copy's {adv[:, 0].round(6).tolist()}"),
+           (np.allclose(ret[:, 0], [0.625, 2.0]), f"returns = advantages + values: "
+            f"[0.625, 2.0]; this copy's {ret[:, 0].round(6).tolist()}"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -63,9 +69,12 @@ def test_matches_reference_on_random_rollouts(seed):
     dones[-1, 0] = 1.0
     next_value = rng.normal(size=N)
     adv, ret = gae(rewards, values, dones, next_value, 0.99, 0.95)
-    np.testing.assert_allclose(adv, reference_gae(rewards, values, dones, next_value, 0.99, 0.95),
-                               rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(ret, adv + values)
+    reference = reference_gae(rewards, values, dones, next_value, 0.99, 0.95)
+    expect((np.allclose(adv, reference, rtol=1e-10, atol=1e-12),
+            f"GAE of record (Schulman et al. 2016, gamma 0.99, lambda 0.95, cut at each done): "
+            f"this copy's advantages differ from it by up to {np.abs(adv - reference).max():.3g}"),
+           (np.allclose(ret, adv + values), f"returns = advantages + values; this copy's differ "
+            f"by up to {np.abs(ret - adv - values).max():.3g}"))
 
 
 def test_forward_scales_a_copy_and_matches_float_input():
@@ -82,9 +91,14 @@ def test_forward_scales_a_copy_and_matches_float_input():
         logits_u8, value_u8 = agent(frames)
         logits_f, value_f = agent(as_float)
         agent(as_float)
-    assert torch.equal(as_float, before)
-    assert torch.equal(logits_u8, logits_f) and torch.equal(value_u8, value_f)
-    assert logits_u8.dtype == torch.float32 and value_u8.shape == (8,)
+    expect((torch.equal(as_float, before), "Agent.forward scales its own copy of the frames: "
+            "this copy's changed the float tensor it was given"),
+           (torch.equal(logits_u8, logits_f) and torch.equal(value_u8, value_f),
+            "uint8 frames and the same frames as float32 give the same outputs (x / 255); "
+            "this copy's differ"),
+           (logits_u8.dtype == torch.float32 and value_u8.shape == (8,),
+            f"outputs float32 logits and (B,) values; this copy's {logits_u8.dtype} and "
+            f"{tuple(value_u8.shape)}"))
 
 
 def crafted(ratio, advantage, newvalue=0.0, value=0.0, ret=0.0, clip=0.2, clip_vloss=True):
@@ -108,23 +122,37 @@ def crafted(ratio, advantage, newvalue=0.0, value=0.0, ret=0.0, clip=0.2, clip_v
 ])
 def test_surrogate_clipping(ratio, advantage, expected, clipped):
     m, grad, _ = crafted(ratio, advantage)
-    assert m["policy_loss"].item() == pytest.approx(expected, rel=1e-5)
-    assert m["clipfrac"].item() == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
-    # a clipped term passes no gradient to the policy
-    assert (grad == 0.0) == clipped
+    case = f"ratio {ratio}, advantage {advantage}, clip 0.2"
+    expect((m["policy_loss"].item() == pytest.approx(expected, rel=1e-5),
+            f"clipped surrogate (pessimistic min of ratio and clipped ratio) at {case}: "
+            f"pg_loss {expected:.4g}; this copy's {m['policy_loss'].item():.4g}"),
+           (m["clipfrac"].item() == float(abs(ratio - 1) > 0.2),
+            f"clipfrac = share of |ratio - 1| > clip at {case}: {float(abs(ratio - 1) > 0.2)}; "
+            f"this copy's {m['clipfrac'].item()}"),
+           ((grad == 0.0) == clipped, f"a clipped term passes no gradient to the policy at "
+            f"{case}: {'zero' if clipped else 'non-zero'} gradient published; this copy's "
+            f"{grad:.4g}"))
 
 
 def test_value_clipping():
     # value moved 0 -> 0.5 towards the return 1; clip 0.2 keeps the pessimistic (clipped) error
-    m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0)
-    assert m["value_loss"].item() == pytest.approx(0.5 * 0.8 ** 2)
-    assert m["value_clipfrac"].item() == 1.0 and vgrad == 0.0
-    m, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0, clip_vloss=False)
-    assert m["value_loss"].item() == pytest.approx(0.5 * 0.5 ** 2)
-    assert vgrad == pytest.approx(-0.5)
-    m, _, _ = crafted(1.0, 0.0, newvalue=0.1, value=0.0, ret=1.0)  # inside: unclipped error
-    assert m["value_loss"].item() == pytest.approx(0.5 * 0.9 ** 2)
-    assert m["value_clipfrac"].item() == 0.0
+    clipped, _, vgrad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0)
+    plain, _, plain_grad = crafted(1.0, 0.0, newvalue=0.5, value=0.0, ret=1.0, clip_vloss=False)
+    inside, _, _ = crafted(1.0, 0.0, newvalue=0.1, value=0.0, ret=1.0)  # unclipped error
+    expect((clipped["value_loss"].item() == pytest.approx(0.5 * 0.8 ** 2),
+            f"clipped value loss (value 0 -> 0.5, return 1, clip 0.2: the pessimistic clipped "
+            f"error) 0.32; this copy's {clipped['value_loss'].item():.4g}"),
+           (clipped["value_clipfrac"].item() == 1.0, f"value_clipfrac when the value moved past "
+            f"the clip: 1.0; this copy's {clipped['value_clipfrac'].item()}"),
+           (vgrad == 0.0, f"a clipped value error passes no gradient: 0; this copy's {vgrad:.4g}"),
+           (plain["value_loss"].item() == pytest.approx(0.5 * 0.5 ** 2), f"--no-clip-vloss: "
+            f"0.5 * (0.5 - 1)^2 = 0.125; this copy's {plain['value_loss'].item():.4g}"),
+           (plain_grad == pytest.approx(-0.5), f"--no-clip-vloss gradient (value - return): "
+            f"-0.5; this copy's {plain_grad:.4g}"),
+           (inside["value_loss"].item() == pytest.approx(0.5 * 0.9 ** 2), f"a value inside the "
+            f"clip range keeps its error: 0.405; this copy's {inside['value_loss'].item():.4g}"),
+           (inside["value_clipfrac"].item() == 0.0, f"value_clipfrac inside the clip range: "
+            f"0.0; this copy's {inside['value_clipfrac'].item()}"))
 
 
 def test_approx_kl_keeps_its_gradient_so_a_kl_penalty_is_one_line(tmp_path):
@@ -148,7 +176,8 @@ def test_approx_kl_keeps_its_gradient_so_a_kl_penalty_is_one_line(tmp_path):
                                         advantages, torch.zeros(16), torch.zeros(16), 0.2)
         loss.backward()
         grads.append(newlogprob.grad)
-        assert not metrics["approx_kl"].requires_grad, "the logged metric is a detached copy"
+        assert not metrics["approx_kl"].requires_grad, ("the logged approx_kl is a detached copy; "
+                                                        "this copy's carries a gradient")
     ratio = (moved - logprob).exp()
     # d/dlogp_i of mean((r - 1) - log r) is (r_i - 1) / B
     torch.testing.assert_close(grads[1] - grads[0], 10.0 * (ratio - 1) / 16, msg=(

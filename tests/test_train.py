@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, need, obs_shape, run_dirs, run_script, scalars
+from conftest import (SCRIPT, TINY, StandIn, need, obs_shape, run_dirs, run_script, scalars,
+                      stand_in_envs)
 
 OBS = obs_shape()
 # CleanRL's tags (so curves overlay on published ones): a fork may add tags, never lose these
@@ -73,38 +74,31 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     assert la["losses/value_loss"][0][1] != la["losses/value_loss"][1][1]  # the data is real
 
 
-class ShowAndPick(gym.Env):
-    """Stand-in game with Atari-shaped observations: a bright bar is shown in one of 4 columns;
-    picking its column scores 1. 10 steps a game: chance scores 2.5, a perfect policy 10."""
+class ShowAndPick(StandIn):
+    """A bright bar is shown in one of 4 columns; picking its column scores 1. 10 steps a game:
+    chance scores 2.5, a perfect policy 10."""
 
-    def __init__(self):
-        self.observation_space = gym.spaces.Box(0, 255, OBS, np.uint8)
-        self.action_space = gym.spaces.Discrete(4)
-
-    def _show(self):
-        self.target = int(self.np_random.integers(4))
-        obs = self.np_random.integers(0, 60, OBS, dtype=np.uint8)
-        width = OBS[-1] // 4
-        obs[:, :, self.target * width:(self.target + 1) * width] += 150
-        return obs
-
-    def reset(self, seed=None, options=None):
-        super().reset(seed=seed)
+    def first(self):
         self.t = 0
-        return self._show(), {}
+        return self.show()
+
+    def show(self):
+        self.target = int(self.rng.integers(4))
+        obs = self.frame(high=60)
+        width = obs.shape[-1] // 4
+        obs[..., self.target * width:(self.target + 1) * width] += 150
+        return obs
 
     def step(self, action):
         reward, self.t = float(action == self.target), self.t + 1
-        return self._show(), reward, self.t >= 10, False, {}
+        return self.show(), reward, self.t >= 10, False, {}
 
 
 def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch):
     need("main")
 
     def make_envs(args, seed, *a, **kw):
-        thunk = lambda: gym.wrappers.RecordEpisodeStatistics(ShowAndPick())  # noqa: E731
-        return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
-                                        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+        return stand_in_envs(ShowAndPick, args.num_envs)
 
     monkeypatch.setattr(P, "make_envs", make_envs)
     monkeypatch.setattr(P, "check_env_id", lambda env_id: None)

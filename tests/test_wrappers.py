@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ppo_atari as P
-from conftest import need, obs_shape
+from conftest import expect, need, obs_shape
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -53,7 +53,7 @@ def test_max_and_skip_matches_stepping_the_raw_env_by_hand():
     wrapped.reset(seed=3)
     reference.reset(seed=3)
     actions = np.random.default_rng(0).integers(0, 6, size=300)
-    total_reward, max_differs_from_last = 0.0, 0
+    total_reward, max_differs_from_last, bad_sums, bad_frames = 0.0, 0, [], 0
     for a in actions:
         obs, reward, terminated, truncated, _ = wrapped.step(a)
         frames, expected_reward = [], 0.0
@@ -61,12 +61,17 @@ def test_max_and_skip_matches_stepping_the_raw_env_by_hand():
             frame, r, term, trunc, _ = reference.step(a)
             frames.append(frame)
             expected_reward += r
-        assert reward == expected_reward
-        assert np.array_equal(obs, np.maximum(frames[-2], frames[-1]))
+        if reward != expected_reward:
+            bad_sums.append((reward, expected_reward))
+        bad_frames += not np.array_equal(obs, np.maximum(frames[-2], frames[-1]))
         max_differs_from_last += not np.array_equal(obs, frames[-1])
         total_reward += abs(reward)
-    assert total_reward > 0, "no reward seen: the reward sum was not exercised"
-    assert max_differs_from_last > 0, "the max of two frames never differed from the last frame"
+    expect((not bad_sums, f"frame skip 4 sums the 4 frames' rewards (published); this copy's "
+            f"(reward, sum) differ at {len(bad_sums)} steps, first {bad_sums[:1]}"),
+           (not bad_frames, f"the observation is the pixel-wise max of the last 2 of the 4 frames "
+            f"(published); this copy's differs at {bad_frames} of {len(actions)} steps"),
+           (total_reward > 0, "no reward seen: the reward sum was not exercised"),
+           (max_differs_from_last > 0, "the max of two frames never differed from the last"))
 
 
 def play_until(env, stop, rng, max_steps=5000):
@@ -82,25 +87,32 @@ def test_life_loss_terminates_without_resetting_the_game():
     env = P.EpisodicLife(P.MaxAndSkip(ActionLog(raw())))
     ale = env.unwrapped.ale
     env.reset(seed=1)
-    assert ale.lives() == 5
     rng = np.random.default_rng(1)
     terminated, _ = play_until(env, lambda te, tr: te or tr, rng)
-    assert terminated and ale.lives() == 4
-    frame_before = ale.getEpisodeFrameNumber()
-    env.env.env.log.clear()
+    assert terminated and ale.lives() == 4, (
+        f"a lost life ends the episode as terminated (published); this copy's episode ended "
+        f"with terminated={terminated} at {ale.lives()} lives of Breakout's 5")
+    frame_before, log = ale.getEpisodeFrameNumber(), env.env.env.log
+    log.clear()
     env.reset()
     # the pseudo-reset is one no-op agent step (4 frames), not a new game
-    assert env.env.env.log == [0, 0, 0, 0]
-    assert ale.lives() == 4 and ale.getEpisodeFrameNumber() == frame_before + 4
-    # after the last life the game really resets
+    expect((log == [0, 0, 0, 0], f"the reset after a lost life is one no-op agent step (4 "
+            f"emulator no-ops, published); this copy's emulator got {log[:12]}"),
+           (ale.lives() == 4 and ale.getEpisodeFrameNumber() == frame_before + 4,
+            f"the game goes on after a lost life: 4 lives, frame {frame_before + 4}; this "
+            f"copy's {ale.lives()} lives, frame {ale.getEpisodeFrameNumber()}"))
+    lives_seen = []  # after the last life the game really resets
     for lives_left in (3, 2, 1, 0):
         play_until(env, lambda te, tr: te or tr, rng)
-        assert ale.lives() == lives_left
+        lives_seen.append(ale.lives())
         if lives_left:
             env.reset()
     env.reset()
-    assert ale.lives() == 5 and ale.getEpisodeFrameNumber() == 0
-    assert env.env.env.log[-1] == "reset"
+    expect((lives_seen == [3, 2, 1, 0], f"each episode ends with one life lost: 3, 2, 1, 0 left; "
+            f"this copy's {lives_seen}"),
+           (ale.lives() == 5 and ale.getEpisodeFrameNumber() == 0 and log[-1] == "reset",
+            f"after the last life, a real reset (5 lives, frame 0); this copy's {ale.lives()} "
+            f"lives at frame {ale.getEpisodeFrameNumber()}, last emulator call {log[-1]!r}"))
 
 
 def test_fire_is_pressed_after_every_reset_including_lost_lives():
@@ -108,27 +120,34 @@ def test_fire_is_pressed_after_every_reset_including_lost_lives():
     probe = ActionLog(raw())
     env = P.FireReset(P.EpisodicLife(P.MaxAndSkip(probe)))
     env.reset(seed=2)
-    assert probe.log == ["reset"] + [1] * 4 + [2] * 4
+    first = list(probe.log)
     play_until(env, lambda te, tr: te or tr, np.random.default_rng(2))
     probe.log.clear()
     env.reset()
-    assert probe.log == [0] * 4 + [1] * 4 + [2] * 4  # pseudo-reset no-op, FIRE, then action 2
+    expect((first == ["reset"] + [1] * 4 + [2] * 4, f"a game starts with FIRE, then action 2 "
+            f"(one agent step each, published); this copy's emulator got {first[:14]}"),
+           (probe.log == [0] * 4 + [1] * 4 + [2] * 4, f"after a lost life: the no-op, FIRE, "
+            f"then action 2 (published); this copy's emulator got {probe.log[:14]}"))
 
 
 def test_noop_reset_takes_1_to_30_noops_from_the_seeded_rng():
     need("wrappers")
-    counts = []
+    counts, others = [], []
     for seed in range(12):
         probe = ActionLog(raw())
         env = P.NoopReset(probe, noop_max=30)
         env.reset(seed=seed)
-        assert probe.log[0] == "reset" and set(probe.log[1:]) == {0}
+        others += [a for a in probe.log[1:] if a != 0] + probe.log[:1] * (probe.log[0] != "reset")
         counts.append(len(probe.log) - 1)
-    assert all(1 <= c <= 30 for c in counts)
-    assert len(set(counts)) > 3, f"no-op counts do not vary with the seed: {counts}"
     probe = ActionLog(raw())
     P.NoopReset(probe).reset(seed=5)
-    assert len(probe.log) - 1 == counts[5], "same seed, different no-op count"
+    expect((not others, f"a reset, then no-ops (action 0) only; this copy's also sent "
+            f"{others[:5]}"),
+           (all(1 <= c <= 30 for c in counts), f"1 to 30 no-ops after a reset (published); "
+            f"this copy's counts over 12 seeds: {counts}"),
+           (len(set(counts)) > 3, f"no-op counts vary with the seed; this copy's: {counts}"),
+           (len(probe.log) - 1 == counts[5], f"the same seed gives the same no-op count: "
+            f"{counts[5]}; this copy's {len(probe.log) - 1}"))
 
 
 class FixedDraw:
@@ -158,7 +177,8 @@ def test_noop_count_is_drawn_from_1_to_30_inclusive_by_the_envs_rng():
         assert rng.calls == [range(1, 31)], ("no-op starts of record: a count from 1 to 30 "
                                             f"inclusive, from the env's RNG; this copy draws "
                                             f"from {rng.calls}")
-        assert probe.log[1:] == [0] * drawn, "the drawn count of no-ops is taken"
+        assert probe.log[1:] == [0] * drawn, (f"the drawn count of no-ops is taken: {drawn}; "
+                                              f"this copy's emulator got {probe.log[1:]}")
 
 
 def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
@@ -172,15 +192,17 @@ def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
         clipped.append(reward)
         if "episode" in info:
             break
-    assert "episode" in info, "the game did not end"
-    signs = sorted(set(clipped))
-    assert set(signs) <= {-1.0, 0.0, 1.0} and sum(clipped) > 0, (
-        f"rewards clipped to their sign (published: -1, 0, 1); this copy's rewards take "
-        f"{len(signs)} values from {min(signs):.3g} to {max(signs):.3g}")
-    # every alien is worth 5 to 30 points: the raw score is far above the count of rewards
-    assert info["episode"]["r"] >= 5 * sum(clipped), "the logged score is not the raw one"
-    # the statistics count the whole game (all lives), not one life
-    assert info["episode"]["l"] > len(clipped) - 1 - 5  # the 5 pseudo-resets add steps inside
+    assert "episode" in info, "the game did not end: no full-game statistics in info"
+    signs, hits = sorted(set(clipped)), sum(abs(r) for r in clipped)
+    # every alien is worth 5 to 30 points: the raw score is far above the count of rewards;
+    # the statistics count the whole game (all lives; the 5 pseudo-resets add steps inside)
+    expect((set(signs) <= {-1.0, 0.0, 1.0} and hits > 0,
+            f"rewards clipped to their sign (published: -1, 0, 1); this copy's rewards take "
+            f"{len(signs)} values from {min(signs):.3g} to {max(signs):.3g}"),
+           (info["episode"]["r"] >= 5 * hits, f"the logged score is the raw game score (at "
+            f"least 5 per alien, {5 * hits:.0f} here); this copy's {info['episode']['r']}"),
+           (info["episode"]["l"] > len(clipped) - 1 - 5, f"the logged length is the whole game's "
+            f"(over {len(clipped) - 6} steps); this copy's {info['episode']['l']}"))
 
 
 def test_the_published_observation_is_4_frames_of_84x84():
@@ -196,17 +218,20 @@ def test_stack_is_newest_last_and_padded_with_the_reset_frame():
     depth = stack_depth()
     env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
     obs, _ = env.reset(seed=0)
-    assert obs.dtype == np.uint8
-    first = split_frames(obs, depth)
-    assert all(np.array_equal(first[0], f) for f in first), "the reset pads with its frame"
+    first, dtype, shifted = split_frames(obs, depth), obs.dtype, 0
     rng = np.random.default_rng(0)
     for _ in range(20):
         new, *_ = env.step(int(rng.integers(0, 4)))
-        assert all(np.array_equal(a, b) for a, b in zip(split_frames(new, depth)[:-1],
-                                                         split_frames(obs, depth)[1:])), \
-            "frames must shift towards index 0, the newest last"
+        shifted += all(np.array_equal(a, b) for a, b in zip(split_frames(new, depth)[:-1],
+                                                            split_frames(obs, depth)[1:]))
         obs = new
-    assert not np.array_equal(split_frames(obs, depth)[-1], first[0]), "the frames never changed"
+    expect((dtype == np.uint8, f"observations are uint8 frames; this copy's {dtype}"),
+           (all(np.array_equal(first[0], f) for f in first), "a reset pads the stack with its "
+            "own frame (published); this copy's first stack holds different frames"),
+           (shifted == 20, f"each step shifts the stack towards index 0, the newest frame last "
+            f"(published); this copy's did at {shifted} of 20 steps"),
+           (not np.array_equal(split_frames(obs, depth)[-1], first[0]), "the frames never "
+            "changed over 20 steps"))
 
 
 def test_frames_are_gray_and_area_resized():
@@ -238,8 +263,10 @@ def test_finished_games_reports_every_game_ending_in_one_step():
     for step in range(30):
         *_, infos = envs.step(np.zeros(3, dtype=np.int64))
         games = P.finished_games(infos)
-        assert len(games) == (3 if step == 29 else 0)
-    assert games == [(0.0, 30)] * 3
+        assert len(games) == (3 if step == 29 else 0), (
+            f"games reported at step {step + 1}: {3 if step == 29 else 0} (all 3 end at step "
+            f"30); this copy's finished_games reports {len(games)}")
+    assert games == [(0.0, 30)] * 3, f"(score, length) of each: (0.0, 30); this copy's {games}"
     envs.close()
 
 
@@ -254,19 +281,23 @@ def test_games_lives_fire_and_stacks_in_the_vector_env():
         f = split_frames(obs, depth)
         return np.all([(f[0] == g).all(axis=(1, 2, 3)) for g in f[1:]], axis=0)
 
-    assert fresh_stack(obs).all() and obs.max() > 0, "a game starts with its frame repeated"
+    assert fresh_stack(obs).all() and obs.max() > 0, ("a game starts with its frame repeated "
+                                                      "(published); this copy's does not")
     rng = np.random.default_rng(0)
     terminations, steps = np.zeros(2, dtype=int), np.zeros(2, dtype=int)
     games, pending = [], np.zeros(2, dtype=bool)
     for _ in range(3000):
         # never FIRE: the backend must relaunch the ball after a lost life, or Breakout stalls
         obs, reward, terminated, truncated, infos = envs.step(rng.choice([0, 2, 3], size=2))
-        assert obs.shape == (2, *OBS) and obs.dtype == np.uint8  # (rewards: the test above)
+        assert obs.shape == (2, *OBS) and obs.dtype == np.uint8, (
+            f"the vector env's observations: (2, *{OBS}) uint8; this copy's {obs.shape} "
+            f"{obs.dtype}")
         terminations += terminated
         # a lost life or a game over restarts the stack from one frame x4 in the same step
         # (the pseudo-reset)
         fresh = fresh_stack(obs)
-        assert fresh[pending].all(), "no fresh stack after a termination"
+        assert fresh[pending].all(), ("a lost life or game over restarts the stack from one "
+                                      "frame (published); this copy's stack went on")
         pending = terminated & ~fresh
         steps += 1
         if "episode" in infos.get("final_info", {}):
@@ -277,9 +308,13 @@ def test_games_lives_fire_and_stacks_in_the_vector_env():
             break
     envs.close()
     assert len(games) >= 2, "games stalled: no FIRE after a lost life?"
-    # Breakout has 5 lives: one finished game takes 5 terminations (4 lives lost, 1 game over)
-    assert terminations.sum() >= 5 * len(games) and terminations.sum() < 5 * (len(games) + 2)
-    for score, frames, agent_steps in games:
-        # lengths count emulator frames: 4 per agent step, plus the frames the no-op start and
-        # the FIRE presses add (at most 30 + 2 * 4 per life)
-        assert score >= 0 and 4 * agent_steps - 3 <= frames <= 4 * agent_steps + 30 + 5 * 12
+    # Breakout has 5 lives: one finished game takes 5 terminations (4 lives lost, 1 game over);
+    # lengths count emulator frames: 4 per agent step, plus the frames the no-op start and
+    # the FIRE presses add (at most 30 + 2 * 4 per life)
+    n = terminations.sum()
+    expect((5 * len(games) <= n < 5 * (len(games) + 2), f"each lost life is a termination: 5 "
+            f"per game of Breakout, {len(games)} games; this copy's terminations: {n}"),
+           *[(score >= 0 and 4 * steps - 3 <= frames <= 4 * steps + 30 + 5 * 12,
+              f"a game's length counts emulator frames (4 per agent step, {steps} steps); this "
+              f"copy's game logged {frames} frames, score {score}")
+             for score, frames, steps in games])
