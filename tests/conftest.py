@@ -415,6 +415,26 @@ def run_scripts(runs, timeout=300):
     return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
 
 
+def run_in_process(args, cwd) -> subprocess.CompletedProcess:
+    """The script's command line run in this process, as its `__main__` line runs it: exit
+    code, stdout and stderr. For checks where a process of its own is not the point; each launch
+    saved is seconds of torch's import."""
+    import contextlib
+    import io
+    import tyro
+    import ppo_atari as P
+    out, err, code, before = io.StringIO(), io.StringIO(), 0, os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            P.main(tyro.cli(P.Args, args=list(args)), P.explicit_fields(list(args)))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def run_dirs(cwd):
     return sorted(glob.glob(os.path.join(cwd, "runs", "*")))
 

@@ -14,16 +14,16 @@ from conftest import SCRIPT, TINY, need, need_text, run_dirs, run_script, scalar
 
 def test_sync_and_async_step_identically():
     need("vector env")
-    args = P.Args(num_envs=3, env_backend="sync")
+    args = P.Args(num_envs=2, env_backend="sync")
     sync = P.make_envs(args, seed=5)
-    asyn = P.make_envs(P.Args(num_envs=3, env_backend="async"), seed=5)
+    asyn = P.make_envs(P.Args(num_envs=2, env_backend="async"), seed=5)
     assert type(asyn).__name__ == "AsyncVectorEnv"
     a, _ = sync.reset(seed=5)
     b, _ = asyn.reset(seed=5)
     assert np.array_equal(a, b)
     rng, terminations = np.random.default_rng(0), 0
-    for _ in range(400):
-        actions = rng.integers(0, 4, size=3)
+    for _ in range(200):
+        actions = rng.integers(0, 4, size=2)
         a, ra, ta, ua, ia = sync.step(actions)
         b, rb, tb, ub, ib = asyn.step(actions)
         assert np.array_equal(a, b) and np.array_equal(ra, rb)

@@ -13,7 +13,7 @@ import torch
 
 import ppo_atari as P
 from conftest import (SCRIPT, TINY, Truncating, bound, need, need_text, obs_shape, run_dirs,
-                      run_script, run_scripts, scalars, takes)
+                      run_in_process, scalars, takes)
 
 OBS = obs_shape()
 
@@ -131,21 +131,22 @@ def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
 
 
 def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(workdir):
-    out = run_script([*TINY, "--total-timesteps", "64"], cwd=workdir)
+    out = run_in_process([*TINY, "--total-timesteps", "64"], cwd=workdir)
     assert out.returncode == 0, out.stderr
     (run,) = run_dirs(workdir)
     before = sorted(os.listdir(run))
     refusals = [(["--env-id", "PongNoFrameskip-v4"], "--env-id cannot change"),
                 (["--num-envs", "4"], "--num-envs cannot change")]
-    outs = run_scripts([(["--resume", run, *args], workdir) for args, _ in refusals])
-    for (_, message), out in zip(refusals, outs):
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    for args, message in refusals:
+        out = run_in_process(["--resume", run, *args], workdir)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
     assert sorted(os.listdir(run)) == before
     # a finished run is complete: nothing written, with the way to extend it
-    out = run_script(["--resume", run], cwd=workdir)
+    out = run_in_process(["--resume", run], cwd=workdir)
     assert out.returncode == 0 and "is already complete: it has run 64 steps" in out.stdout
     assert sorted(os.listdir(run)) == before
-    out = run_script(["--resume", run, "--total-timesteps", "128", "--num-envs", "2"], cwd=workdir)
+    out = run_in_process(["--resume", run, "--total-timesteps", "128", "--num-envs", "2"],
+                         cwd=workdir)
     assert out.returncode == 0, out.stderr
     assert "at step 64 of 128 (1 iteration left); --total-timesteps changed from 64" in out.stdout
     assert "schedule is re-planned over the new total (0 -> 0.000125 now" in out.stdout
@@ -205,12 +206,10 @@ def test_malicious_pickle_never_runs(workdir):
         else:
             with open(folder / "evil.pt", "wb") as f:
                 pickle.dump(payload, f)
-    outs = run_scripts([([flag, "evil.pt", "--no-cuda"], workdir / f"{writer}{flag}")
-                        for writer, flag in cases])
-    for (writer, flag), out in zip(cases, outs):
+    for writer, flag in cases:
+        out = run_in_process([flag, "evil.pt", "--no-cuda"], workdir / f"{writer}{flag}")
         assert out.returncode == 2, (writer, flag, out.stderr)
         assert "cannot load evil.pt as a safe checkpoint" in out.stderr
-        assert "Traceback" not in out.stderr
         assert not (workdir / f"{writer}{flag}" / "pwned").exists()
 
 
@@ -218,7 +217,7 @@ def test_malicious_pickle_never_runs(workdir):
 def trained(tmp_path_factory):
     """One tiny finished run, shared by the checks below."""
     cwd = tmp_path_factory.mktemp("trained")
-    out = run_script([*TINY, "--total-timesteps", "128"], cwd=cwd)
+    out = run_in_process([*TINY, "--total-timesteps", "128"], cwd=cwd)
     assert out.returncode == 0, out.stderr
     return cwd, run_dirs(cwd)[0]
 
@@ -241,10 +240,9 @@ def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
              (["--resume", os.path.join(run, "agent.pt")], "is a saved agent, not a checkpoint"),
              (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
               "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
-    outs = run_scripts([([*args, "--no-cuda"], tmp_path) for args, _ in cases])
-    for (args, message), out in zip(cases, outs):
+    for args, message in cases:
+        out = run_in_process([*args, "--no-cuda"], tmp_path)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
-        assert "Traceback" not in out.stderr
     assert sorted(os.listdir(tmp_path)) == ["six_actions.pt", "truncated.pt"]
 
 
@@ -256,10 +254,10 @@ def test_another_network_is_one_line_naming_both_shapes(trained, tmp_path):
     name, tensor = next(iter(state["model"].items()))  # the network's first tensor, whatever it is
     state["model"][name] = torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])
     torch.save(state, tmp_path / "other_network.pt")
-    for out in run_scripts([([*flags, "--no-cuda"], tmp_path) for flags in (
-            ["--resume", "other_network.pt", "--total-timesteps", "256"],
-            ["--eval-checkpoint", "other_network.pt"])]):
-        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    for flags in (["--resume", "other_network.pt", "--total-timesteps", "256"],
+                  ["--eval-checkpoint", "other_network.pt"]):
+        out = run_in_process([*flags, "--no-cuda"], tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
         (message,) = out.stderr.splitlines()
         theirs, mine = (tensor.shape[0] + 1, *tensor.shape[1:]), tuple(tensor.shape)
         assert f"does not fit this network: {name} is {theirs} in the checkpoint" in message
@@ -270,7 +268,7 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     cwd, run = trained
     command = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "2",
                "--no-cuda", "--capture-video"]
-    out = run_script(command, cwd=cwd)
+    out = run_in_process(command, cwd=cwd)
     assert out.returncode == 0, out.stderr
     games = [line for line in out.stdout.splitlines() if line.startswith("game ")]
     assert len(games) == 2
@@ -290,7 +288,7 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert videos == ["game-0.mp4", "game-1.mp4"]
     assert os.path.getsize(os.path.join(run, "eval-videos", "game-0.mp4")) > 1000
     # seeded: the same command plays the same games, and logs them apart
-    again = run_script(command[:4] + ["--no-cuda"], cwd=cwd)
+    again = run_in_process(command[:4] + ["--no-cuda"], cwd=cwd)
     assert [ln for ln in again.stdout.splitlines() if ln.startswith("game ")] == games
     assert len(os.listdir(os.path.join(run, "eval"))) == 2
 
@@ -308,8 +306,8 @@ def test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions(train
     assert ale.getFloat("repeat_action_probability") == 0.25
     assert ale.getEpisodeFrameNumber() - frames == 4, "v5's own frame skip must be off"
     env.close()
-    out = run_script(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--env-id",
-                      "ALE/Breakout-v5", "--eval-episodes", "1", "--no-cuda"], cwd=cwd)
+    out = run_in_process(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--env-id",
+                          "ALE/Breakout-v5", "--eval-episodes", "1", "--no-cuda"], cwd=cwd)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ALE/Breakout-v5: " in out.stdout and "over 1 game (agent at step 128)" in out.stdout
     (folder,) = [f for f in os.listdir(os.path.join(run, "eval")) if "v5" in f]
@@ -328,30 +326,30 @@ def test_main_from_python_honours_a_changed_total_on_resume(workdir):
 
 
 def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir, capsys):
-    """--stop-at-step: a run planned for 8 iterations and stopped after 4 has trained with the
-    learning rates of the full plan's first 4; the same command without it finishes the plan."""
+    """--stop-at-step: a run planned for 4 iterations and stopped after 2 has trained with the
+    learning rates of the full plan's first 2; the same command without it finishes the plan."""
     (workdir / "full").mkdir()
     (workdir / "cut").mkdir()
     os.chdir(workdir / "full")
-    P.main(tiny_args(total_timesteps=8 * 64, run_name="r"))
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
     full = scalars(str(workdir / "full" / "runs" / "r"))
     os.chdir(workdir / "cut")
-    P.main(tiny_args(total_timesteps=8 * 64, run_name="r", stop_at_step=250))  # mid-iteration 4
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))  # mid-iteration 2
     run = str(workdir / "cut" / "runs" / "r")
     ckpt = P.load_checkpoint(run)
-    assert ckpt["global_step"] == 256 and ckpt["args"]["total_timesteps"] == 8 * 64
+    assert ckpt["global_step"] == 128 and ckpt["args"]["total_timesteps"] == 4 * 64
     assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False
-    assert "stopped at step 256 (--stop-at-step); continue to 512 with: " in capsys.readouterr().out
+    assert "stopped at step 128 (--stop-at-step); continue to 256 with: " in capsys.readouterr().out
     cut = scalars(run)
-    assert cut["charts/learning_rate"] == full["charts/learning_rate"][:4]
-    assert cut["losses/value_loss"] == full["losses/value_loss"][:4]  # the same training
+    assert cut["charts/learning_rate"] == full["charts/learning_rate"][:2]
+    assert cut["losses/value_loss"] == full["losses/value_loss"][:2]  # the same training
     # the same command again: already past the stop, nothing written
-    P.main(tiny_args(total_timesteps=8 * 64, run_name="r", stop_at_step=250))
-    assert "already past --stop-at-step 250; nothing written" in capsys.readouterr().out
-    assert P.load_checkpoint(run)["global_step"] == 256
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))
+    assert "already past --stop-at-step 100; nothing written" in capsys.readouterr().out
+    assert P.load_checkpoint(run)["global_step"] == 128
     # without it: on to the full plan, along the same schedule
-    P.main(tiny_args(total_timesteps=8 * 64, run_name="r"))
-    assert P.load_checkpoint(run)["global_step"] == 512
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
+    assert P.load_checkpoint(run)["global_step"] == 256
     assert scalars(run)["charts/learning_rate"] == full["charts/learning_rate"]
 
 

@@ -12,7 +12,7 @@ import ppo_atari as P
 from conftest import SCRIPT, TINY, free_port, need, obs_shape, run_dirs, scalars
 
 # Runs the file under test (PPO_ATARI_SCRIPT) and saves each rank's final weights; FREEZE=1
-# trains an Agent whose first conv layer is frozen.
+# trains an Agent whose first layer (the first module with parameters of its own) is frozen.
 HARNESS = """
 import importlib.util, os, sys
 import torch, tyro
@@ -24,7 +24,7 @@ if os.environ.get("FREEZE"):
     class Frozen(P.Agent):
         def __init__(self, *a):
             super().__init__(*a)
-            self.network[0].requires_grad_(False)
+            next(m for m in self.modules() if list(m.parameters(False))).requires_grad_(False)
     P.Agent = Frozen
 rank = os.environ["RANK"]
 if os.environ.get("RECORD"):  # this rank's env seed, and its first gradient before/after the mean
@@ -78,61 +78,41 @@ def by_hand(folders, *args, env=None):
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 
 
-def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(tmp_path):
-    """Only rank 0's folder holds the checkpoint (node-local disks): rank 1 must continue the
-    same run from rank 0's state, not start afresh (which would hang or diverge)."""
-    (tmp_path / "harness.py").write_text(HARNESS)
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for f in folders:
-        f.mkdir()
-    flags = [*TINY, "--run-name", "job", "--dist-timeout", "60"]
-    for code, out, err in by_hand(folders, *flags, "--total-timesteps", "256"):
-        assert code == 0, err[-3000:]
-    assert not (folders[1] / "runs").exists(), "rank 1 wrote a run folder"
-    results = by_hand(folders, *flags, "--total-timesteps", "384")
-    for code, out, err in results:
-        assert code == 0, err[-3000:]
-    assert "continuing runs/job at step 256 of 384" in results[0][1]
-    r0, r1 = torch.load(folders[0] / "rank0.pt"), torch.load(folders[1] / "rank1.pt")
-    assert all(torch.equal(r0[k], r1[k]) for k in r0), "the ranks trained different weights"
-    ckpt = P.load_checkpoint(str(folders[0] / "runs" / "job"))
-    assert ckpt["global_step"] == 384 and ckpt["iteration"] == 3
-
-
-def test_a_frozen_layer_trains_under_two_processes(tmp_path):
-    """Parameters without a gradient (frozen, or an unused head) are left out of the
-    all-reduce instead of crashing it."""
-    need("Agent heads")
-    (tmp_path / "harness.py").write_text(HARNESS)
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", env={"FREEZE": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(r0[k], r1[k]) for k in r0)
-    torch.manual_seed(1)  # rank 0's seed: its initial weights are broadcast to every rank
-    initial = P.Agent(obs_shape(), 4).state_dict()
-    # (orthogonal init may differ in the last bits with another thread count; a step moves ~1e-4)
-    moved = {k: not torch.allclose(initial[k], r0[k], atol=1e-6, rtol=0) for k in r0}
-    frozen = [k for k in r0 if k.startswith("network.0.")]
-    assert frozen and not any(moved[k] for k in frozen), "the frozen layer moved"
-    assert any(moved[k] for k in r0 if k not in frozen), "the other layers did not train"
+PAIR = [*TINY, "--run-name", "job", "--dist-timeout", "60"]
 
 
 @pytest.fixture(scope="module")
 def recorded_pair(tmp_path_factory):
-    """Two hand-launched ranks, one iteration: each records its env seed and its first gradient
-    before and after the mean; rank 0's approx_kl is forced to 0.6 and rank 1's to 0.0 against
-    --target-kl 0.4, and each counts its loss calls."""
+    """Two hand-launched ranks, each in a folder of its own (node-local runs/ folders), one
+    iteration: each records its env seed and its first gradient before and after the mean;
+    rank 0's approx_kl is forced to 0.6 and rank 1's to 0.0 against --target-kl 0.4, and each
+    counts its loss calls."""
     need("main")
     cwd = tmp_path_factory.mktemp("pair")
     (cwd / "harness.py").write_text(HARNESS)
     folders = [cwd / "node0", cwd / "node1"]
     for f in folders:
         f.mkdir()
-    results = by_hand(folders, *TINY, "--total-timesteps", "128", "--target-kl", "0.4",
-                      "--dist-timeout", "30", env={"RECORD": "1", "KL_BY_RANK": "0.6,0.0"})
+    results = by_hand(folders, *PAIR, "--total-timesteps", "128", "--target-kl", "0.4",
+                      env={"RECORD": "1", "KL_BY_RANK": "0.6,0.0"})
     for code, out, err in results:
         assert code == 0, err[-3000:]
     return folders
+
+
+def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(recorded_pair):
+    """Only rank 0's folder holds the checkpoint (node-local disks): rank 1 must continue the
+    same run from rank 0's state, not start afresh (which would hang or diverge)."""
+    folders = recorded_pair
+    assert not (folders[1] / "runs").exists(), "rank 1 wrote a run folder"
+    results = by_hand(folders, *PAIR, "--total-timesteps", "384")
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    assert "continuing runs/job at step 128 of 384" in results[0][1]
+    r0, r1 = torch.load(folders[0] / "rank0.pt"), torch.load(folders[1] / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0), "the ranks trained different weights"
+    ckpt = P.load_checkpoint(str(folders[0] / "runs" / "job"))
+    assert ckpt["global_step"] == 384 and ckpt["iteration"] == 3
 
 
 def test_ranks_play_apart_and_average_their_gradients(recorded_pair):
@@ -164,10 +144,13 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     counting both ranks' steps; a stop prints a torchrun line (a plain python line would be
     refused by the world-size check) that continues the run, here with async env workers
     spawned after the process group; once more it has nothing to train and each rank leaves
-    its group destroyed; rank 0 alone evaluates."""
+    its group destroyed; rank 0 alone evaluates. The Agent's first layer is frozen throughout:
+    parameters without a gradient (frozen, or an unused head) are left out of the all-reduce
+    instead of crashing it, and stay as they were."""
     (tmp_path / "harness.py").write_text(HARNESS)
     # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 4 iterations, then a stop
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "640", "--stop-at-step", "512")
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "640", "--stop-at-step", "512",
+                   env={"FREEZE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
@@ -184,7 +167,7 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert command[3].endswith("harness.py") and command[4] == "--resume", line
 
     for backend in ("async", "sync"):  # the rest of the run, then nothing left to train
-        out = torchrun(tmp_path, *command[4:], "--env-backend", backend)
+        out = torchrun(tmp_path, *command[4:], "--env-backend", backend, env={"FREEZE": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
         assert [(tmp_path / f"group{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2, \
             "a rank returned with its process group still initialized"
@@ -194,6 +177,15 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert P.load_checkpoint(run)["global_step"] == 640
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384, 512, 640]
     assert run_dirs(tmp_path) == [run]
+    torch.manual_seed(1)  # rank 0's seed: its initial weights are broadcast to every rank
+    agent = P.Agent(obs_shape(), 4)
+    initial = agent.state_dict()
+    name, first = next((n, m) for n, m in agent.named_modules() if list(m.parameters(False)))
+    frozen = [f"{name}.{k}" for k, _ in first.named_parameters(recurse=False)]
+    # (orthogonal init may differ in the last bits with another thread count; a step moves ~1e-4)
+    moved = {k: not torch.allclose(initial[k], r0[k], atol=1e-6, rtol=0) for k in r0}
+    assert frozen and not any(moved[k] for k in frozen), f"the frozen layer {frozen} moved"
+    assert any(moved[k] for k in r0 if k not in frozen), "the other layers did not train"
 
     shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")  # rank 0 alone plays and reports
     out = torchrun(tmp_path, "--eval-checkpoint", run, "--eval-episodes", "1", "--no-cuda",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, free_port, need, run_dirs, run_script, run_scripts, scalars
+from conftest import SCRIPT, TINY, free_port, need, run_dirs, run_in_process, scalars
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
 
@@ -33,7 +33,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     """Ctrl-C: exit 130, a checkpoint and a resume line; that line, stopped by SIGTERM (a
     preemption): exit 143; the same command as the first finishes the run, each iteration
     logged once; once more, the run is complete and nothing is written."""
-    total = 12 * ITER
+    total = 8 * ITER
     command = [sys.executable, SCRIPT, *TINY, "--total-timesteps", str(total),
                "--checkpoint-interval", "1000", "--run-name", "job"]
     run = str(tmp_path / "runs" / "job")
@@ -51,7 +51,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     assert proc.returncode == 143 and "resume with: " in out, err
     stopped_at = P.load_checkpoint(run)["global_step"]
     assert first < stopped_at < total
-    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = run_in_process(command[2:], tmp_path)  # the same command line, in this process
     assert again.returncode == 0, again.stderr
     assert f"continuing runs/job at step {stopped_at:,} of {total:,}" in again.stdout
     assert run_dirs(tmp_path) == [run]
@@ -60,7 +60,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     assert steps == list(range(ITER, total + 1, ITER)), "repeated or missing iterations"
 
     before = listing(run)  # the same command once more: complete, nothing is written
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = run_in_process(command[2:], tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"is already complete: it has run {total:,} steps" in done.stdout
     assert listing(run) == before
@@ -84,11 +84,10 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(monkeypatch, capsys)
 def test_a_folder_of_something_else_is_refused(workdir):
     (workdir / "runs" / "typo").mkdir(parents=True)
     (workdir / "runs" / "typo" / "notes.txt").write_text("keep")
-    out = run_script([*TINY, "--total-timesteps", "64", "--run-name", "typo"], cwd=workdir)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "holds files but no checkpoint.pt" in out.stderr
+    out = run_in_process([*TINY, "--total-timesteps", "64", "--run-name", "typo"], workdir)
+    assert out.returncode == 2 and "holds files but no checkpoint.pt" in out.stderr, out.stderr
     assert os.listdir(workdir / "runs" / "typo") == ["notes.txt"]
-    bad = run_script([*TINY, "--run-name", "../elsewhere"], cwd=workdir)
+    bad = run_in_process([*TINY, "--run-name", "../elsewhere"], workdir)
     assert bad.returncode == 2 and "must be a plain folder name" in bad.stderr
 
 
@@ -128,7 +127,7 @@ def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
     """Two torchrun agents as two nodes, each in its own folder: the node whose worker dies
     counts a restart and the other need not (TORCHELASTIC_RESTART_COUNT differs), yet the
     restarted workers must join one group at once and finish the run from its checkpoint."""
-    total, port = 12 * 2 * ITER, free_port()
+    total, port = 8 * 2 * ITER, free_port()
     folders = [tmp_path / "node0", tmp_path / "node1"]
     agents = []
     for folder in folders:
@@ -162,8 +161,8 @@ def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
     steps = [s for s, _ in scalars(run)["charts/SPS"]]  # TensorBoard's view: events purged
     assert steps == list(range(2 * ITER, total + 1, 2 * ITER)), "repeated or missing iterations"
     # a checkpoint of 2 processes cannot be continued by 1
-    one = run_script([*TINY, "--total-timesteps", str(2 * total), "--run-name", "mn"],
-                     cwd=os.path.dirname(os.path.dirname(run)))
+    one = run_in_process([*TINY, "--total-timesteps", str(2 * total), "--run-name", "mn"],
+                         os.path.dirname(os.path.dirname(run)))
     assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
 
 
@@ -294,7 +293,9 @@ INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its e
 
 @pytest.fixture(scope="module")
 def instants(tmp_path_factory):
-    """Every instant's harness run at once, then the same command in each folder, at once."""
+    """Every instant's harness run at once, then the same command line in each folder, in this
+    process and with sync envs (what is checked is the folder the killed process left; a resume
+    may change --env-backend)."""
     need("main")
     folders = {name: tmp_path_factory.mktemp("instant") for name in INSTANTS}
     procs = {name: killer(folders[name], kill_at, args, **env)
@@ -302,12 +303,9 @@ def instants(tmp_path_factory):
     killed = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
     left = {name: sorted(os.listdir(f / "runs" / "job")) if (f / "runs" / "job").is_dir() else []
             for name, f in folders.items()}
-    procs = {name: subprocess.Popen([sys.executable, SCRIPT, *INSTANTS[name][1]],
-                                    cwd=folders[name], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True,
-                                    env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    again = {name: run_in_process([*JOB, "--env-backend", "sync"], folders[name])
              for name in INSTANTS}
-    again = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
+    again = {name: (out.returncode, out.stdout, out.stderr) for name, out in again.items()}
     return {name: (folders[name], killed[name], again[name], left[name]) for name in INSTANTS}
 
 
@@ -351,7 +349,7 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(inst
                   "--no-cuda"]
     out = killed_at(folder, "call:SummaryWriter:1", args=evaluation)
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    again, training = run_scripts([(evaluation, folder), (JOB, folder)])
+    again, training = run_in_process(evaluation, folder), run_in_process(JOB, folder)
     assert again.returncode == 0 and "over 1 game (agent at step 256)" in again.stdout
     assert "nothing written" in training.stdout
     assert {f: t for f, t in listing(run).items() if f != "eval"} == before
