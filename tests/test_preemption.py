@@ -300,7 +300,7 @@ def instants(tmp_path_factory):
     folders = {name: tmp_path_factory.mktemp("instant") for name in INSTANTS}
     procs = {name: killer(folders[name], kill_at, args, **env)
              for name, (kill_at, args, env, _) in INSTANTS.items()}
-    killed = {name: (p.wait(timeout=300), *p.communicate()) for name, p in procs.items()}
+    killed = {name: (p.wait(timeout=150), *p.communicate()) for name, p in procs.items()}
     left = {name: sorted(os.listdir(f / "runs" / "job")) if (f / "runs" / "job").is_dir() else []
             for name, f in folders.items()}
     again = {name: run_in_process([*JOB, "--env-backend", "sync"], folders[name])
