@@ -104,14 +104,15 @@ def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch
 
     monkeypatch.setattr(P, "make_envs", make_envs)
     monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
-    args = P.Args(env_id="ShowAndPick", num_envs=8, num_steps=16, total_timesteps=128 * 22,
-                  learning_rate=2e-3, update_epochs=2, cuda=False)
+    # 36 iterations at the default epochs: a recurrent fork (minibatches of whole envs) learns
+    # in them too, which 22 iterations of 2 epochs were too few for (6.35)
+    args = P.Args(env_id="ShowAndPick", num_envs=4, num_steps=32, total_timesteps=128 * 36,
+                  learning_rate=1e-3, cuda=False)
     P.main(args)
     (run,) = run_dirs(workdir)
     avg = scalars(run)["charts/avg_episodic_return"]
     assert avg[0][1] < 4.0, "the first games should be near chance (2.5)"
-    # seeds 1 and 2 pass 8.0 by iteration 20 (a perfect policy scores 10)
-    assert avg[-1][1] > 7.5, f"did not learn: average return {avg[-1][1]:.2f} (chance 2.5)"
+    assert avg[-1][1] > 8.0, f"did not learn: average return {avg[-1][1]:.2f} (chance 2.5)"
 
 
 def test_compile_and_bf16_train_and_save_plain_weights(tmp_path):
