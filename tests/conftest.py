@@ -405,16 +405,6 @@ def run_script(args, cwd, script=None, timeout=300, env=None):
                           text=True, timeout=timeout, env=full_env)
 
 
-def run_scripts(runs, timeout=300):
-    """Several runs of the script at once ([(args, cwd), ...]): each launch spends seconds
-    importing torch on one core, so independent ones run side by side. CompletedProcesses."""
-    procs = [subprocess.Popen([sys.executable, SCRIPT, *args], cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore")) for args, cwd in runs]
-    outs = [p.communicate(timeout=timeout) for p in procs]
-    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
-
-
 def run_in_process(args, cwd) -> subprocess.CompletedProcess:
     """The script's command line run in this process, as its `__main__` line runs it: exit
     code, stdout and stderr. For checks where a process of its own is not the point; each launch

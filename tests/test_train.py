@@ -66,7 +66,8 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     proc = subprocess.Popen([sys.executable, SCRIPT, *flags], cwd=tmp_path / "a",
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     here = run_in_process(flags, tmp_path / "b")
-    assert proc.wait(timeout=300) == 0 and here.returncode == 0, (proc.stderr.read(), here.stderr)
+    _, err = proc.communicate(timeout=300)  # read the pipes: a full one would block the child
+    assert proc.returncode == 0 and here.returncode == 0, (err[-2000:], here.stderr[-2000:])
     (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
     la, lb = scalars(a), scalars(b)
     losses = [t for t in la if t.startswith("losses/")]  # the published ones and a fork's own
