@@ -398,11 +398,105 @@ def gae_calls(instrumented) -> list:
     return instrumented["gae"]
 
 
-def run_script(args, cwd, script=None, timeout=300, env=None):
-    """Runs the script in a subprocess; returns the CompletedProcess (text mode)."""
+class Launched:
+    """A launch of the script in a process of its own (conftest.launch), with the parts of
+    subprocess.Popen the tests use; stdout and stderr go to files, read back as text."""
+
+    def __init__(self, process, out, err):
+        self.process, self.pid, self.out, self.err = process, process.pid, out, err
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.out, timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig):
+        os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None):
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        return tuple(open(path).read() for path in (self.out, self.err))
+
+    def line_starting(self, prefix, timeout=200):
+        """Waits for the first stdout line that starts with prefix (None: the process ended
+        or the time ran out first)."""
+        import time
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            ended = self.poll() is not None
+            text = open(self.out).read() if os.path.exists(self.out) else ""
+            for line in text.splitlines(keepends=True):
+                if line.startswith(prefix) and line.endswith("\n"):
+                    return line
+            if ended:
+                return None
+            time.sleep(0.05)
+        return None
+
+
+def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=False):
+    """`python SCRIPT ARGS` in cwd, in a process of its own, forked from a multiprocessing
+    forkserver that has imported torch and the rest once (tests/warm.py): each launch saves
+    the ~8 s of CPU a fresh interpreter spends on imports. Tests whose point is the fresh
+    interpreter (`--help`, bad input from the shell) use subprocess instead."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    import tempfile
+    import warm
+    context = multiprocessing.get_context("forkserver")
+    if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+        context.set_forkserver_preload(["warm"])
+        before = os.environ.get("PYTHONPATH")  # the forkserver imports warm by name
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), *([before] if before else [])])
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.pop("PYTHONPATH") if before is None else os.environ.update(
+                PYTHONPATH=before)
+    folder = tempfile.mkdtemp(prefix="launch-")
+    out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    return subprocess.run([sys.executable, script or SCRIPT, *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    process = context.Process(target=warm.run_as_main, args=(
+        os.path.abspath(script or SCRIPT), [str(a) for a in args], str(cwd), full_env, out, err,
+        new_session, sigint_ignored))
+    process.start()
+    LAUNCHED.append(process)
+    return Launched(process, out, err)
+
+
+LAUNCHED = []
+
+
+def pytest_unconfigure(config):
+    """A launch a failed test left running is killed (at exit multiprocessing would wait)."""
+    for process in LAUNCHED:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_script(args, cwd, script=None, timeout=300, env=None):
+    """The script run to its end in a process of its own (launch); a CompletedProcess."""
+    proc = launch(args, cwd, script, env)
+    out, err = proc.communicate(timeout)
+    return subprocess.CompletedProcess(proc.process.name, proc.returncode, out, err)
 
 
 def run_in_process(args, cwd) -> subprocess.CompletedProcess:

@@ -2,14 +2,12 @@
 with the same numbers; async workers serve the trainer through signals and die with it."""
 import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import time
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, need, need_text, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, launch, need, need_text, run_dirs, run_script, scalars
 
 
 def test_sync_and_async_step_identically():
@@ -63,14 +61,14 @@ def test_auto_picks_async_only_on_cuda_with_4_cores_per_process(monkeypatch):
     assert P.choose_backend(P.Args(env_backend="async"), False, 1) == "async"  # asked for: kept
 
 
-def test_core_count_is_the_processs_allocation_not_the_machines():
+def test_core_count_is_the_processs_allocation_not_the_machines(tmp_path):
     """A SLURM or cgroup allocation (here: sched_setaffinity) gives the process fewer cores
     than os.cpu_count() reports; auto and the thread split must see the allocation."""
-    code = ("import os, sys; import ppo_atari as P; os.sched_setaffinity(0, {0}); "
-            "print(P.usable_cores(), os.cpu_count())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(SCRIPT)), timeout=120,
-                         cwd=os.path.dirname(SCRIPT))
+    (tmp_path / "cores.py").write_text(
+        "import os, sys; import ppo_atari as P; os.sched_setaffinity(0, {0}); "
+        "print(P.usable_cores(), os.cpu_count())")
+    out = run_script([], tmp_path, script=tmp_path / "cores.py",
+                     env={"PYTHONPATH": os.path.dirname(SCRIPT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "1"
 
@@ -94,12 +92,9 @@ def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path):
 def test_async_workers_survive_sigterm_to_the_process_group(tmp_path):
     """SLURM sends SIGTERM to every process: the workers must keep serving the trainer until
     it has finished its iteration and written the checkpoint."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000",
-                             "--env-backend", "async"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    for line in proc.stdout:
-        if line.startswith("step "):
-            break
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async"], tmp_path,
+                  new_session=True)
+    proc.line_starting("step ")
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
@@ -127,9 +122,8 @@ def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
     still exit at once instead of waiting out their 60 s."""
     need("main")
     (tmp_path / "crasher.py").write_text(CRASHER)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "crasher.py"), *TINY,
-                             "--total-timesteps", "64", "--env-backend", "async"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch([*TINY, "--total-timesteps", "64", "--env-backend", "async"], tmp_path,
+                  script=tmp_path / "crasher.py")
     _, err = proc.communicate(timeout=50)  # about 70 s when it waits for the workers
     assert proc.returncode == 1 and "bug in a fork" in err, err[-2000:]
 
@@ -146,16 +140,16 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
     """A worker ignores SIGINT and SIGTERM outright (no alarm that would kill it during a long
     iteration and checkpoint), and exits when its trainer is killed."""
     need("vector env")
-    code = ("import signal, time, ppo_atari as P\n"
-            "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
-            "envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
-            "envs.reset(seed=0)\n"
-            "print(' '.join(str(p.pid) for p in envs.processes), flush=True)\n"
-            "time.sleep(600)\n")
-    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                               cwd=os.path.dirname(SCRIPT), env=dict(
-                                   os.environ, PYTHONPATH=os.path.dirname(SCRIPT)))
-    pids = [int(p) for p in trainer.stdout.readline().split()]
+    (tmp_path / "trainer.py").write_text(
+        "import time, ppo_atari as P\n"
+        "if __name__ == '__main__':  # spawned workers import this file as their main module\n"
+        "    envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
+        "    envs.reset(seed=0)\n"
+        "    print('workers:', *(p.pid for p in envs.processes), flush=True)\n"
+        "    time.sleep(600)\n")
+    trainer = launch([], tmp_path, script=tmp_path / "trainer.py",
+                     env={"PYTHONPATH": os.path.dirname(SCRIPT)})
+    pids = [int(p) for p in trainer.line_starting("workers: ").split()[1:]]
     assert len(pids) == 2
     for pid in pids:
         ignored, caught = signal_masks(pid)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, free_port, need, obs_shape, run_dirs, scalars
+from conftest import SCRIPT, TINY, free_port, launch, need, obs_shape, run_dirs, scalars
 
 # Runs the file under test (PPO_ATARI_SCRIPT) and saves each rank's final weights; FREEZE=1
 # trains an Agent whose first layer (the first module with parameters of its own) is frozen.
@@ -68,12 +68,9 @@ def by_hand(folders, *args, env=None):
     """Two processes started by hand (as a multi-node launcher would): RANK, WORLD_SIZE and
     MASTER_ADDR/PORT set, each in its own working folder, so each has its own runs/."""
     port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(folder.parent / "harness.py"), *args], cwd=folder,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", RANK=str(rank), WORLD_SIZE="2",
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0",
-                 LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1", **(env or {})))
+    procs = [launch(args, folder, script=folder.parent / "harness.py", env=dict(
+        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1", **(env or {})))
         for rank, folder in enumerate(folders)]
     return [(p.wait(timeout=300), *p.communicate()) for p in procs]
 

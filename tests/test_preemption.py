@@ -10,7 +10,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, free_port, need, run_dirs, run_in_process, scalars
+from conftest import SCRIPT, TINY, free_port, launch, need, run_dirs, run_in_process, scalars
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
 
@@ -20,12 +20,11 @@ def listing(folder):
 
 
 def started(command, cwd):
-    """A training launch, returned once its first iteration is done (its first progress line)."""
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    for line in proc.stdout:
-        if line.startswith("step "):
-            break
+    """A training launch (`python SCRIPT ARGS`), returned once its first iteration is done (its
+    first progress line)."""
+    assert command[0] == sys.executable, command
+    proc = launch(command[2:], cwd, script=command[1])
+    proc.line_starting("step ")
     return proc
 
 
@@ -256,10 +255,8 @@ JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--
 def killer(cwd, kill_at, args=JOB, **env):
     """The harness in cwd, started in a session of its own (so a group signal stays in it)."""
     (cwd / "killer.py").write_text(KILLER)
-    return subprocess.Popen([sys.executable, str(cwd / "killer.py"), *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(
-                                os.environ, PYTHONWARNINGS="ignore", KILL_AT=kill_at, **env))
+    return launch(args, cwd, script=cwd / "killer.py", env=dict(KILL_AT=kill_at, **env),
+                  new_session=True)
 
 
 def assert_finished(run):
@@ -327,7 +324,7 @@ def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(instants,
 def killed_at(cwd, kill_at, args=JOB, **env):
     proc = killer(cwd, kill_at, args, **env)
     out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(kill_at, proc.returncode, out, err)
 
 
 def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
@@ -360,10 +357,8 @@ def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     """A script's background job (`python ppo_atari.py &`, no job control) starts with SIGINT
     ignored, and Python leaves it so: the trainer does too, before and after start-up alike,
     instead of acting on a Ctrl-C only once its handler is in. SIGTERM still stops it."""
-    proc = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--total-timesteps", "100000",
-                             "--checkpoint-interval", "1", "--run-name", "bg"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = launch([*TINY, "--total-timesteps", "100000", "--checkpoint-interval", "1",
+                   "--run-name", "bg"], tmp_path, sigint_ignored=True)
     run = tmp_path / "runs" / "bg"
 
     def iteration():  # the last checkpoint's, once there is one (a new run writes it first)

@@ -3,8 +3,6 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
-import sys
 import types
 
 import cv2
@@ -14,8 +12,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, StandIn, need, obs_shape, run_dirs, run_in_process,
-                      run_script, scalars, stand_in_envs)
+from conftest import (SCRIPT, TINY, StandIn, launch, need, obs_shape, run_dirs,
+                      run_in_process, run_script, scalars, stand_in_envs)
 
 OBS = obs_shape()
 # CleanRL's tags (so curves overlay on published ones): a fork may add tags, never lose these
@@ -63,10 +61,9 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     flags = [*TINY, "--total-timesteps", "128", "--seed", "7"]
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    proc = subprocess.Popen([sys.executable, SCRIPT, *flags], cwd=tmp_path / "a",
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch(flags, tmp_path / "a")
     here = run_in_process(flags, tmp_path / "b")
-    _, err = proc.communicate(timeout=300)  # read the pipes: a full one would block the child
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and here.returncode == 0, (err[-2000:], here.stderr[-2000:])
     (a,), (b,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
     la, lb = scalars(a), scalars(b)
