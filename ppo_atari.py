@@ -6,12 +6,10 @@ details of record (openai/baselines ppo2, CleanRL), resumable, and runnable unde
     python ppo_atari.py --eval-checkpoint runs/NAME/agent.pt             # score a saved agent
     torchrun --nproc_per_node 2 ppo_atari.py                             # several processes/GPUs
 
-Above THE FENCE (a marked line halfway down): the PPO a fork edits, in CleanRL's order: Args,
-the Atari wrappers, the network, GAE and the loss, the phases of an iteration (rollout,
-make_batch, update, summarize, log_iteration) and train, the loop. Below it, what a fork leaves
-alone: argument checks, torchrun, checkpoint files, run folders and resume, signals,
-evaluation, videos and main. Python looks names up when called, so the loop calls below it.
-Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12, tyro 1.0, opencv 5.0-5.1.
+Above THE FENCE, in CleanRL's order, the PPO a fork edits: Args, the Atari wrappers, the
+network, GAE and the loss, the phases of an iteration and train, the loop. Below it, what a fork
+leaves alone: argument checks, torchrun, checkpoints, run folders and resume, signals,
+evaluation, videos, main. Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12.
 """
 import atexit
 import collections
@@ -31,8 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-# Before torch loads OpenMP: idle threads sleep instead of spinning, so that trainings sharing
-# cores (several seeds on one machine) do not starve each other
+# before torch loads OpenMP: idle threads sleep, so runs sharing cores do not starve each other
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import ale_py  # noqa: E402  (importing registers the Atari ids; the ROMs ship in the wheel)
 import cv2  # noqa: E402
@@ -239,10 +236,8 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
-        if trainer_pid not in (None, os.getpid()):  # an async worker (gymnasium also calls one
-            # thunk in the trainer, for the spaces): the trainer alone acts on Ctrl-C and SIGTERM
-            # (it finishes its iteration, checkpoints and closes the envs); a worker exits when
-            # the trainer dies (its pipe closes)
+        if trainer_pid not in (None, os.getpid()):  # an async worker, not the trainer (which
+            # runs a thunk for the spaces): it ignores Ctrl-C/SIGTERM, dies when its pipe closes
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
@@ -267,18 +262,15 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
 
 def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game=False):
     """The vector env over the wrappers above. Same-step autoreset: a finished env is reset inside
-    step(), the returned obs is the new episode's first, and no reset transition enters a batch.
-    copy=False: the rollout copies each observation into its staging buffer at once."""
+    step() and its new first obs returned, so no reset transition enters a batch."""
     use_async = choose_backend(args, args.cuda and torch.cuda.is_available(),
                                int(os.environ.get("LOCAL_WORLD_SIZE", 1))) == "async"
     trainer = os.getpid() if use_async else None
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
-    if use_async:  # spawn: a forked CUDA context or NCCL group is not safe. Ctrl-C and SIGTERM
-        # reach the whole process group: the workers are born with both blocked, and the
-        # trainer takes any that came while they started once they are up (the resource
-        # tracker first: starting it unblocks both)
+    if use_async:  # spawn: forked CUDA/NCCL is unsafe. Workers are born with Ctrl-C and SIGTERM
+        # blocked (the group gets them); the resource tracker first, as starting it unblocks
         multiprocessing.resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
@@ -293,9 +285,8 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     shape = envs.single_observation_space.shape
     if len(shape) != 3:  # storage and the network take (C, H, W) frames, channels first
         envs.close()
-        fail(f"the env's observations are {shape}, not (C, H, W): a stack of colour frames "
-             f"(4, H, W, 3) must be reshaped to (12, H, W) in make_env before it reaches the "
-             f"network")
+        fail(f"the env's observations are {shape}, not (C, H, W): reshape a stack of colour "
+             f"frames (4, H, W, 3) to (12, H, W) in make_env")
     return envs
 
 
@@ -318,12 +309,9 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. Another
-    feed-forward network is another Agent: the rest of the file uses only forward(obs) ->
-    (logits, value) and get_action_and_value. A recurrent policy changes more than the Agent:
-    rollout (carry the state, reset it where an episode starts: see make_storage's dones),
-    make_batch (the state of the rollout's first step), update (minibatches of whole envs, in
-    time order) and evaluate (the state across a game)."""
+    """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. The file uses only
+    forward(obs) -> (logits, value) and get_action_and_value: another feed-forward network is
+    another Agent. A recurrent one also changes rollout, make_batch, update and evaluate."""
 
     def __init__(self, obs_shape: tuple, n_actions: int):
         super().__init__()
@@ -338,8 +326,7 @@ class Agent(nn.Module):
 
     def forward(self, obs):
         """obs (B, C, H, W) uint8 -> logits (B, n_actions) float32, value (B,) float32."""
-        # scaled in place (one fewer 29 MB buffer per minibatch of 256, bit-identical to
-        # `/ 255.0`); copy=True so that a float input is never scaled under its owner's feet
+        # scaled in place (one buffer fewer); copy=True: a float input is never scaled in place
         x = obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0)
         hidden = self.network(x)
         # the heads in float32 under bf16 autocast: bf16 would round values of 8-16 to 0.0625
@@ -349,8 +336,7 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, obs, action=None):
         """CleanRL's interface: (action, log-probability, entropy, value), each (B,), sampling
-        the action when none is given. The one place the policy's distribution is written
-        (log_softmax + multinomial: no torch.distributions.Categorical object)."""
+        the action when none is given. The one place the policy's distribution is written."""
         logits, value = self(obs)
         logp_all = torch.log_softmax(logits, dim=-1)
         if action is None:
@@ -380,10 +366,9 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
 
 def ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, clip_coef,
              norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5):
-    """The PPO objective on one minibatch (tensors (B,); clip_coef a float or 0-d tensor): the
-    loss to minimise and its metrics, detached 0-d tensors each logged as losses/<name>. Every
-    term below keeps its gradient (approx_kl too: a KL penalty is `+ kl_coef * approx_kl` in
-    the loss line); only the returned metrics are detached copies."""
+    """The PPO objective on one minibatch (tensors (B,)): the loss and its metrics, detached 0-d
+    tensors logged as losses/<name>. Every term keeps its gradient (approx_kl too: a KL penalty
+    is `+ kl_coef * approx_kl` in the loss line)."""
     logratio = newlogprob - logprob
     ratio = logratio.exp()
     approx_kl = ((ratio - 1) - logratio).mean()  # http://joschu.net/blog/kl-approx.html
@@ -421,18 +406,16 @@ def minibatch_loss(agent, mb: dict, clip_coef, args: Args, carry: dict):
 
 def make_storage(obs_shape: tuple, num_steps: int, num_envs: int, device) -> dict:
     """Rollout storage (T, N, ...) = (num_steps, num_envs, ...), allocated once. The network's
-    inputs and outputs live on the training device; rewards and dones stay on the host, where the
-    envs return them, and GAE runs there: on a GPU its ~900 tiny kernels cost more than a copy."""
+    inputs and outputs on the training device; rewards and dones on the host, where the envs
+    return them and GAE runs (its many tiny kernels would cost more than a copy)."""
     T, N = num_steps, num_envs
     return {"obs": torch.zeros((T, N, *obs_shape), dtype=torch.uint8, device=device),
             "actions": torch.zeros((T, N), dtype=torch.long, device=device),
             "logprobs": torch.zeros((T, N), device=device),  # float32
             "values": torch.zeros((T, N), device=device),  # float32
             "rewards": torch.zeros((T, N)),  # host, clipped, float32
-            # host; 1.0: the episode ended with step t's action (terminated or truncated), so
-            # obs[t + 1] starts a new one. CleanRL's dones[t] is the flag one step later ("obs[t]
-            # starts an episode"): a recurrent policy resets its state before obs[t] on
-            # dones[t - 1] (the previous rollout's last row for t = 0), not on dones[t]
+            # host; 1.0: the episode ended with step t's action, so obs[t + 1] starts a new one
+            # (CleanRL's dones is one step later: a recurrent policy resets on dones[t - 1])
             "dones": torch.zeros((T, N))}
 
 
@@ -456,8 +439,7 @@ def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_ste
             envs, "step_async") else envs.step(actions_np)
         storage["rewards"][step] = torch.from_numpy(reward)
         storage["dones"][step] = torch.from_numpy(terminated | truncated)
-        # staging is pinned on CUDA (a DMA copy); refilling it next step is safe: that step's
-        # action.cpu() waits for this copy and the forward pass that reads it
+        # pinned on CUDA; refilling it is safe: the next action.cpu() waits for this copy
         next_obs = staging.copy_(torch.from_numpy(next_obs_np))
         next_obs = next_obs.to(storage["obs"].device, non_blocking=True)
         games += [(global_step, r, n) for r, n in finished_games(infos)]
@@ -480,8 +462,8 @@ def make_batch(agent, storage: dict, next_obs, autocast, args: Args) -> dict:
 def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
            world_size: int, carry: dict):
     """update_epochs passes over the batch in shuffled minibatches. Returns each metric summed
-    over the minibatches (0-d device tensors: no host sync) and the number of minibatches;
-    grad_norm is the gradient's global norm before clipping."""
+    over the minibatches (0-d device tensors: no host sync; grad_norm before clipping) and their
+    number."""
     local_batch = batch["obs"].shape[0]
     minibatch_size = local_batch // args.num_minibatches
     totals, n_minibatches = {}, 0
@@ -533,7 +515,7 @@ def summarize(agent, totals: dict, n_minibatches: int, batch: dict, stop: list, 
 def log_iteration(writer, stats: dict, games: list, recent, global_step: int, total: int,
                   show: bool):
     """Every finished game, the mean of the last 100, each charts/ and losses/ entry; with show,
-    a progress line (in place on a terminal)."""
+    a progress line."""
     for step_done, score, length in games:
         writer.add_scalar("charts/episodic_return", score, step_done)
         writer.add_scalar("charts/episodic_length", length, step_done)
@@ -556,9 +538,9 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
 
 def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank: int = 0,
           world_size: int = 1):
-    """Rollout, advantages, update and logging, iteration after iteration, with a checkpoint
-    every --checkpoint-interval, until --total-timesteps (or --stop-at-step, or a signal appended
-    to `stop`). ckpt: the checkpoint to continue, or None. Returns the trained agent."""
+    """Rollout, advantages, update and logging, with a checkpoint every --checkpoint-interval,
+    until --total-timesteps (or --stop-at-step, or a signal appended to `stop`). ckpt: the
+    checkpoint to continue, or None. Returns the trained agent."""
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     # seeding: one block; each rank gets its own env seeds and action samples
     random.seed(args.seed + rank)
@@ -576,9 +558,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    # a fork's own state across iterations (a penalty coefficient, a running statistic): its
-    # first values go here; checkpoints save it and a resume restores it, tensors on `device`
-    # (tensors, numbers, str, None, and lists, tuples and dicts of them: see plain)
+    # a fork's own state across iterations (tensors, numbers, str, None, and lists, tuples and
+    # dicts of them): first values here; checkpoints save it, a resume restores it on `device`
     carry = {}
     recent = collections.deque(maxlen=100)  # the returns of the last 100 finished games
     restore(ckpt, agent, optimizer, envs, carry, recent, device, rank, args.seed)
@@ -621,8 +602,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
         at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         last = iteration == num_iterations or stopped or at_stop
         now = time.time()
-        # SPS counts from the end of this process's first iteration (which reports its own),
-        # so that the warm-up after a start or a resume does not read as a slowdown
+        # SPS from the end of this process's first iteration (which reports its own): a start's
+        # warm-up does not read as a slowdown
         if clock is None:
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
         elif now > clock[1]:
@@ -636,8 +617,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
             last_print = now if show else last_print
             if iteration % args.checkpoint_interval == 0 or last:
                 writer.flush()  # the logs reach at least as far as the checkpoint
-                if last:  # agent.pt before the checkpoint that ends the run: a kill between
-                    # the two leaves the previous checkpoint, and the same command redoes both
+                if last:  # agent.pt first: a kill between the two leaves the previous checkpoint
                     save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
                 save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, recent,
                          carry)
@@ -657,8 +637,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
 # Below: the machinery a fork leaves alone. Argument checks; torchrun; checkpoint files; run
 # folders and resume; signals; evaluation; videos; main. Nothing here changes what PPO computes.
 
-# Fields a resume may change: they change neither the network, the game nor the optimisation
-# done so far. LAUNCH_ONLY: this launch's own, never taken from a checkpoint.
+# Fields a resume may change (neither the network, the game nor the optimisation done so far);
+# LAUNCH_ONLY: this launch's own, never taken from a checkpoint
 LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
 RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
                                     "wandb_project_name", "wandb_entity", "capture_video",
@@ -698,9 +678,8 @@ def check_args(args: Args, world_size: int = 1):
 
 
 def check_env_id(env_id: str):
-    """Only ALE image ids whose settings the trainer keeps: NoFrameskip-v4 (no sticky actions)
-    and ALE/...-v5 (sticky actions 0.25); plain -v4 (a random 2-4 frame skip) and -v0 (sticky
-    actions) are refused. An unknown id is matched on its game: Game-NoFrameskip-v4, else -v5."""
+    """Only ALE image ids with the settings of record: NoFrameskip-v4 (no sticky actions) and
+    ALE/...-v5 (sticky actions 0.25); -v4 (random frame skip) and -v0 (sticky) are refused."""
     def game(name):  # 'ALE/Pong-v5', 'PongNoFrameskip-v4', 'PongDeterministic-v4' -> 'pong'
         name = name.removeprefix("ALE/").split("-")[0]
         return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
@@ -730,9 +709,8 @@ def check_env_id(env_id: str):
 
 
 class VideoRecorder(gym.Wrapper):
-    """Writes games to mp4 with OpenCV: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with
-    every_game (evaluation) every full game and no cut-off one. Innermost, so it sees every
-    emulator frame and only real game overs."""
+    """Writes games to mp4: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with every_game
+    (evaluation) every full game. Innermost: it sees every frame and only real game overs."""
 
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
@@ -800,11 +778,10 @@ def say_device(args: Args, device: torch.device):
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
-    """init_process_group through torchrun's store, under a prefix of its own for each start of
-    the workers: restarted workers would otherwise read the dead ones' addresses from the same
-    store and wait on them. torchrun counts restarts per node, so rank 0 numbers the starts
-    (a generation) and beats while it joins: the others join the generation whose rank 0 is
-    alive (every worker of an earlier start is dead). Every wait is bounded by timeout_s."""
+    """init_process_group through torchrun's store, under a prefix per start of the workers (a
+    restarted worker would wait on the dead ones' addresses). Restarts are counted per node, so
+    rank 0 numbers the starts and beats while it joins; the others join the generation whose
+    rank 0 is alive. Every wait is bounded by timeout_s."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -936,8 +913,8 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
 
 def wrapper_statistics(envs) -> dict:
     """{attribute: [its state per env]} for each gymnasium RunningMeanStd in make_env's wrappers
-    (NormalizeReward's return_rms, NormalizeObservation's obs_rms): running statistics that a
-    resume continues instead of restarting. As tensors: checkpoints load weights-only."""
+    (NormalizeReward's return_rms, NormalizeObservation's obs_rms), as tensors."""
+
     probe = envs.envs[0] if hasattr(envs, "envs") else envs.env_fns[0]()  # async: a throwaway
     names, layer = set(), probe
     while layer is not None:
@@ -965,9 +942,8 @@ def restore_wrapper_statistics(envs, saved: dict):
 
 def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
             seed: int):
-    """A resume: the weights, Adam's state, the RNG, the env wrappers' running statistics, the
-    fork's carry (its tensors on the training device) and the recent returns, from the
-    checkpoint. Under torchrun, every rank then takes rank 0's weights and buffers."""
+    """A resume: weights, Adam's state, RNG, env wrappers' running statistics, the fork's carry
+    (tensors on the training device), recent returns. Then every rank takes rank 0's weights."""
     if ckpt is not None:
         restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))
         load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
@@ -983,8 +959,8 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
 
 
 def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs, carry: dict):
-    """Rank 0: says where the run goes, writes a new run's iteration-0 checkpoint (a run folder
-    holds a checkpoint before anything else), and opens the TensorBoard writer (and wandb)."""
+    """Rank 0: says where the run goes, writes a new run's checkpoint first (before any other
+    file), and opens the TensorBoard writer (and wandb)."""
     shown = shown_path(run_dir)
     print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
     say_device(args, next(agent.parameters()).device)
@@ -1134,9 +1110,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 def catch_stop_signals() -> tuple[list, dict]:
     """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
-    the returned list); a second Ctrl-C exits at once. A signal ignored when training starts
-    stays ignored, as Python leaves it (SIGINT in a script's `cmd &`, or under `nohup` from
-    one). Returns (that list, the old handlers of the signals caught)."""
+    the returned list); a second Ctrl-C exits at once. A signal ignored at start stays ignored
+    (SIGINT in a script's `cmd &`). Returns (that list, the old handlers)."""
     stop = []
 
     def on_signal(signum, frame):
@@ -1198,11 +1173,9 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
 
 
 def main(args: Args, explicit: set[str] | None = None):
-    """Trains, or with --eval-checkpoint evaluates; returns the trained agent (None when there
-    was nothing to train). While training, Ctrl-C and SIGTERM are caught from main's first
-    instant (one during start-up stops the run after its first iteration), and the caller's
-    handlers are back when main returns or fails. explicit: the fields given on the command
-    line; from Python (None), those that differ from the defaults."""
+    """Trains, or with --eval-checkpoint evaluates; returns the trained agent (None: nothing to
+    train). Ctrl-C and SIGTERM are caught from main's first instant to its return. explicit:
+    the fields given on the command line; from Python (None), those unlike the defaults."""
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
