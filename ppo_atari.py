@@ -285,8 +285,8 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     shape = envs.single_observation_space.shape
     if len(shape) != 3:  # storage and the network take (C, H, W) frames, channels first
         envs.close()
-        fail(f"the env's observations are {shape}, not (C, H, W): reshape a stack of colour "
-             f"frames (4, H, W, 3) to (12, H, W) in make_env")
+        fail(f"the env's observations are {shape}, not (C, H, W): a stack of colour frames "
+             f"(4, H, W, 3) must be reshaped to (12, H, W) in make_env")
     return envs
 
 
