@@ -453,7 +453,7 @@ class Launched:
 def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=False):
     """`python SCRIPT ARGS` in cwd, in a process of its own, forked from a multiprocessing
     forkserver that has imported torch and the rest once (tests/warm.py): each launch saves
-    the ~8 s of CPU a fresh interpreter spends on imports. Tests whose point is the fresh
+    the ~4 s (quiet) a fresh interpreter spends on imports. Tests whose point is the fresh
     interpreter (`--help`, bad input from the shell) use subprocess instead."""
     import multiprocessing
     import multiprocessing.forkserver

@@ -1,10 +1,10 @@
 """What every launch of the script imports, imported once per test process: conftest.launch
 forks each launch from a multiprocessing forkserver that preloads this module, so a launch is
-a process of its own that runs the script file as `python SCRIPT ARGS` does, without paying
-the ~8 s of CPU that importing torch, torch._dynamo (which the optimizer pulls in), gymnasium,
-ALE and TensorBoard costs a fresh interpreter. What is left out: the interpreter's start-up
-and the imports themselves (a signal during them, the `--help` of a fresh process); tests of
-those start the script with subprocess."""
+a process of its own that runs the script file as `python SCRIPT ARGS` does, without the ~4 s
+(quiet; ~8 s of CPU on a busy machine) that a fresh interpreter spends importing torch,
+torch._dynamo (which the optimizer pulls in), gymnasium, ALE and TensorBoard. Left out: the
+interpreter's start-up and those imports (a signal during them, the `--help` of a fresh
+process); tests of those start the script with subprocess."""
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the script sets it before torch loads
