@@ -28,6 +28,29 @@ def test_two_iterations_on_cuda(tmp_path, flags):
     assert all(v == v for _, v in scalars(run)["losses/value_loss"]), "NaN value loss"
 
 
+NO_CUDA = """
+import importlib.util, os, sys
+import torch, tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(P)
+P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+print("cuda initialized:", torch.cuda.is_initialized())
+"""
+
+
+def test_a_no_cuda_run_leaves_cuda_uninitialized(tmp_path):
+    """A --no-cuda run and its resume on a GPU machine, torch's own optimizer steps included,
+    never initialize CUDA (a CPU seed or gloo rank would hold GPU memory)."""
+    (tmp_path / "no_cuda.py").write_text(NO_CUDA)
+    for stop in (["--stop-at-step", "64"], []):
+        out = run_script(["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2",
+                          "--total-timesteps", "128", "--run-name", "cpu", "--no-cuda", *stop],
+                         cwd=tmp_path, script=str(tmp_path / "no_cuda.py"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "cuda initialized: False" in out.stdout, out.stdout[-2000:]
+
+
 def test_resume_evaluation_and_files_a_cpu_machine_can_load(tmp_path):
     """Stopped at the first iteration and continued on CUDA; the agent scored on CUDA; then
     checkpoint.pt and agent.pt loaded by a plain torch.load in a process that sees no GPU."""
