@@ -1,4 +1,4 @@
-"""Shared helpers: the script under test, its seams, subprocess runs of it, TensorBoard read-back.
+"""Shared helpers: the script under test, its seams, launches of it, TensorBoard read-back.
 
 The suite runs against any copy of the file: `python -m pytest tests --script PATH/ppo_atari.py`
 (default: the repository's ppo_atari.py). Tests import it as `ppo_atari` and take sizes and
@@ -477,19 +477,22 @@ def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=F
         os.path.abspath(script or SCRIPT), [str(a) for a in args], str(cwd), full_env, out, err,
         new_session, sigint_ignored))
     process.start()
-    LAUNCHED.append(process)
+    LAUNCHED.append((process, folder))
     return Launched(process, out, err)
 
 
-LAUNCHED = []
+LAUNCHED = []  # (process, the folder of its stdout and stderr files)
 
 
 def pytest_unconfigure(config):
-    """A launch a failed test left running is killed (at exit multiprocessing would wait)."""
-    for process in LAUNCHED:
+    """A launch a failed test left running is killed (at exit multiprocessing would wait), and
+    the launches' output files are removed."""
+    import shutil
+    for process, folder in LAUNCHED:
         if process.is_alive():
             process.kill()
             process.join()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_script(args, cwd, script=None, timeout=300, env=None):
