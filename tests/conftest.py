@@ -419,7 +419,8 @@ class Launched:
         return self.process.exitcode
 
     def send_signal(self, sig):
-        os.kill(self.pid, sig)
+        if self.process.exitcode is None:  # as Popen: an ended process is not signalled
+            os.kill(self.pid, sig)
 
     def kill(self):
         self.send_signal(signal.SIGKILL)

@@ -149,7 +149,9 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
         "    time.sleep(600)\n")
     trainer = launch([], tmp_path, script=tmp_path / "trainer.py",
                      env={"PYTHONPATH": os.path.dirname(SCRIPT)})
-    pids = [int(p) for p in trainer.line_starting("workers: ").split()[1:]]
+    line = trainer.line_starting("workers: ")
+    assert line is not None, (trainer.kill(), trainer.communicate()[1][-2000:])
+    pids = [int(p) for p in line.split()[1:]]
     assert len(pids) == 2
     for pid in pids:
         ignored, caught = signal_masks(pid)
