@@ -15,8 +15,9 @@ observation buffer, torch.distributions.Categorical. The other rows run ppo_atar
 subprocess and read its TensorBoard timings; `--compare FILE` adds a row running FILE with the
 first configuration's flags, and `--script FILE` benchmarks that copy instead of the
 repository's. All rows run in one
-invocation: `--rounds` passes over the configurations in turn, so that a slow spell of a noisy
-machine hits every row; each figure is the median over rounds, and every round's SPS is printed.
+invocation: `--rounds` passes over the configurations in turn, every other pass in reverse order,
+so that neither a slow spell of a noisy machine nor going first favours a row; each figure is the
+median over rounds, and every round's SPS is printed.
 With --cuda it also counts the host syncs of one rollout (torch.cuda.set_sync_debug_mode).
 """
 import argparse
@@ -288,8 +289,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     names = a.configs.split(",")
     rows = {name: [] for name in names}  # name: [(sps, rollout, update, rss, bound, env)]
-    for _ in range(a.rounds):
-        for name in names:
+    for r in range(a.rounds):  # every other round in reverse order: no row always goes first
+        for name in names if r % 2 == 0 else names[::-1]:
             rows[name].append(measure(name, a, batch))
     base = None
     for name in names:
