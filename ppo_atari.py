@@ -763,6 +763,9 @@ def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
 
 def choose_device(args: Args, local_rank: int, local_processes: int) -> torch.device:
     """The one place the device and torch's CPU threads are chosen."""
+    if not args.cuda and not torch.cuda.is_initialized():  # torch.compile's tracing saves the
+        # CUDA RNG state whenever CUDA is available (initializing it): --no-cuda hides the GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
@@ -780,20 +783,21 @@ def say_device(args: Args, device: torch.device):
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
     """init_process_group through torchrun's store, under a prefix per start of the workers (a
     restarted worker would wait on the dead ones' addresses). Restarts are counted per node, so
-    rank 0 numbers the starts and beats while it joins; the others join the generation whose
-    rank 0 is alive. Every wait is bounded by timeout_s."""
+    rank 0 numbers the starts and beats; the others check in to the generation whose rank 0 is
+    alive. Rank 0 beats until every rank has checked in, whether or not its init blocked until
+    they arrived (gloo's does; NCCL's and lazy gloo's return at once). Waits: timeout_s."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
     address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store, joined = dist.TCPStore(*address, is_master=False, timeout=timeout), threading.Event()
+    store, all_in = dist.TCPStore(*address, is_master=False, timeout=timeout), threading.Event()
     if rank == 0:
         generation = store.add("ppo_atari/generation", 1)
         store.set("ppo_atari/open", str(generation))
         beats = dist.TCPStore(*address, is_master=False, timeout=timeout)  # its own connection
 
-        def beat():  # until rank 0 has joined, which is after every other rank has
-            while not joined.wait(0.1):
+        def beat():
+            while not all_in.wait(0.1):
                 beats.add(f"ppo_atari/beat{generation}", 1)
         threading.Thread(target=beat, daemon=True).start()
     else:
@@ -805,11 +809,17 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
                 break
         else:
             raise RuntimeError(f"rank 0 did not start within --dist-timeout {timeout_s} s")
+        store.add(f"ppo_atari/in{generation}", 1)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 store=dist.PrefixStore(f"ppo_atari/generation{generation}", store))
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and store.add(f"ppo_atari/in{generation}", 0) < world_size - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank joined within --dist-timeout {timeout_s} s")
+            time.sleep(0.1)
     finally:
-        joined.set()
+        all_in.set()
 
 
 def all_reduce_gradients(agent: nn.Module, world_size: int):
@@ -1180,6 +1190,7 @@ def main(args: Args, explicit: set[str] | None = None):
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
     stop, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # choose_device may hide the GPUs
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
         rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
@@ -1203,6 +1214,8 @@ def main(args: Args, explicit: set[str] | None = None):
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
 
 
 if __name__ == "__main__":

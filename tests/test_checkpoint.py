@@ -441,6 +441,36 @@ def test_a_cpu_run_never_initializes_cuda(workdir, monkeypatch):
     P.main(P.Args(eval_checkpoint="runs/cpu/agent.pt", eval_episodes=1, cuda=False))
 
 
+def test_a_compiled_cpu_run_never_initializes_cuda(workdir, monkeypatch):
+    """--compile --no-cuda on a machine with a GPU: torch.compile's tracing saves the CUDA RNG
+    state, and inductor reads the GPU's properties, whenever CUDA is available, which
+    initializes it; the run must hide the GPUs first and show them again when it returns.
+    Stand-in: torch itself (not only the file) sees a GPU unless CUDA_VISIBLE_DEVICES is empty,
+    as CUDA does when it first counts devices; initializing CUDA records who asked, or with the
+    GPUs hidden raises what torch raises on a machine without one. What it cannot show: a real
+    driver (a device count cached before the run would ignore the hiding); test_cuda.py's
+    --compile case checks a real run on a GPU."""
+    need("main")
+    asked = []
+
+    def lazy_init():
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            raise RuntimeError("No CUDA GPUs are available")
+        caller = inspect.stack()[2]
+        asked.append(f"{caller.filename}:{caller.lineno}")
+        raise AssertionError("CUDA initialized")
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: os.environ.get("CUDA_VISIBLE_DEVICES") != "")
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)
+    monkeypatch.setattr(torch.cuda.random, "_lazy_init", lazy_init)
+    P.main(tiny_args(total_timesteps=64, compile=True, run_name="compiled"))
+    assert not asked, f"a --compile --no-cuda run initialized CUDA, asked by {asked}"
+    assert P.load_checkpoint("runs/compiled")["global_step"] == 64
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the GPUs stay hidden after the run"
+
+
 class Foreign(torch.Tensor):
     """Stands for a tensor on another device: .cpu() is what brings it to the host."""
 

@@ -39,13 +39,16 @@ print("cuda initialized:", torch.cuda.is_initialized())
 """
 
 
-def test_a_no_cuda_run_leaves_cuda_uninitialized(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--compile"]], ids=["plain", "compile"])
+def test_a_no_cuda_run_leaves_cuda_uninitialized(tmp_path, flags):
     """A --no-cuda run and its resume on a GPU machine, torch's own optimizer steps included,
-    never initialize CUDA (a CPU seed or gloo rank would hold GPU memory)."""
+    never initialize CUDA (a CPU seed or gloo rank would hold GPU memory); with --compile too,
+    whose tracing saves the CUDA RNG state wherever CUDA is available."""
     (tmp_path / "no_cuda.py").write_text(NO_CUDA)
     for stop in (["--stop-at-step", "64"], []):
         out = run_script(["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2",
-                          "--total-timesteps", "128", "--run-name", "cpu", "--no-cuda", *stop],
+                          "--total-timesteps", "128", "--run-name", "cpu", "--no-cuda", *flags,
+                          *stop],
                          cwd=tmp_path, script=str(tmp_path / "no_cuda.py"))
         assert out.returncode == 0, out.stderr[-3000:]
         assert "cuda initialized: False" in out.stdout, out.stdout[-2000:]

@@ -49,6 +49,8 @@ if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its loss calls
         return loss, metrics | {"approx_kl": torch.tensor(kl)}
     P.minibatch_loss = minibatch_loss
 if __name__ == "__main__":  # spawned async workers import this file as their main module
+    if os.environ.get("LATE_RANK") == rank:  # this rank starts seconds after the others
+        import time; time.sleep(float(os.environ.get("LATE_BY", "3")))
     agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
     open(f"group{rank}.txt", "w").write(str(torch.distributed.is_initialized()))
     if agent is not None:
@@ -133,6 +135,22 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     and a sum would stop both)."""
     calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair)]
     assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"
+
+
+def test_a_rank_that_starts_late_joins_when_init_returns_at_once(tmp_path):
+    """Stands in for NCCL, whose init_process_group returns before the other ranks arrive (its
+    communicator is created lazily, at the first collective): TORCH_GLOO_LAZY_INIT=1 makes
+    gloo's init return at once the same way. Rank 1 starts 3 s after rank 0 and must still
+    join and train. What it cannot show: NCCL itself, its communicator on GPUs, or a late rank
+    on another node (tests/test_preemption.py's two-agent restart test covers two nodes)."""
+    (tmp_path / "harness.py").write_text(HARNESS)
+    out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", "--dist-timeout", "30",
+                   env={"TORCH_GLOO_LAZY_INIT": "1", "LATE_RANK": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = run_dirs(tmp_path)
+    assert P.load_checkpoint(run)["global_step"] == 256
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
 
 
 def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
