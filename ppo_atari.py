@@ -269,17 +269,9 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
-    if use_async:  # spawn: forked CUDA/NCCL is unsafe. Workers are born with Ctrl-C and SIGTERM
-        # blocked (the group gets them); the resource tracker first, as starting it unblocks
-        multiprocessing.resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=same_step, context="spawn",
-                                             copy=False)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        # the workers ignore SIGTERM, so a trainer that crashes kills them itself
-        atexit.register(lambda: [p.kill() for p in envs.processes if p.is_alive()])
+    if use_async:  # a process per env, started by start_workers (below the fence)
+        envs = start_workers(lambda: gym.vector.AsyncVectorEnv(
+            thunks, autoreset_mode=same_step, context="spawn", copy=False))
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
     shape = envs.single_observation_space.shape
@@ -714,7 +706,11 @@ class VideoRecorder(gym.Wrapper):
 
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
-        self.folder, self.every_game, self.games, self.writer = folder, every_game, 0, None
+        self.folder, self.every_game, self.writer = folder, every_game, None
+        # numbered on after the videos already there: a resumed run keeps its earlier launches'
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        self.games = 1 + max((int(n[5:-4]) for n in names if n.startswith("game-") and
+                              n.endswith(".mp4") and n[5:-4].isdigit()), default=-1)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
@@ -746,6 +742,29 @@ class VideoRecorder(gym.Wrapper):
     def close(self):
         self._finish(complete=False)
         super().close()
+
+
+def start_workers(make_async):
+    """make_async() with the async workers born with Ctrl-C and SIGTERM blocked (the process
+    group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is unsafe.
+    The resource tracker starts first, as starting it unblocks signals."""
+    multiprocessing.resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        envs = make_async()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    atexit.unregister(kill_workers)  # once per process, however many runs it starts
+    atexit.register(kill_workers)
+    return envs
+
+
+def kill_workers():
+    """At exit (a trainer that crashed): multiprocessing's own exit hook would SIGTERM the
+    daemonic workers, which ignore it, then wait for them forever."""
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
 
 
 def usable_cores() -> int:

@@ -1,6 +1,7 @@
 """Speed benchmark (not collected by pytest): python tests/benchmark.py [--rounds 2]
     python tests/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
     python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
+    python tests/benchmark.py --worker-memory          # each async env worker's memory
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -196,6 +197,26 @@ def env_worker(name, num_envs, out):
     json.dump({"times": times[1:]}, open(out, "w"))
 
 
+def worker_memory(num_envs):
+    """Each async env worker is a process that imports this file, and so torch: its resident
+    (RSS) and proportional (PSS: shared pages split between the processes) memory, after 100
+    steps."""
+    envs = P.make_envs(P.Args(num_envs=num_envs, env_backend="async"), seed=1)
+    envs.reset(seed=1)
+    for _ in range(100):
+        envs.step(np.zeros(num_envs, dtype=np.int64))
+
+    def mib(pid, name, key):
+        line = next(x for x in open(f"/proc/{pid}/{name}") if x.startswith(key))
+        return int(line.split()[1]) / 1024
+    print(f"# torch {torch.__version__}, {num_envs} async workers")
+    for p in envs.processes:
+        print(f"worker {p.pid}: RSS {mib(p.pid, 'status', 'VmRSS:'):.0f} MiB, "
+              f"PSS {mib(p.pid, 'smaps_rollup', 'Pss:'):.0f} MiB")
+    print(f"trainer (no network yet): RSS {mib(os.getpid(), 'status', 'VmRSS:'):.0f} MiB")
+    envs.close()
+
+
 def flops_and_peak(num_envs, device):
     """FLOPs of one iteration (torch's flop counter: the update's 16 minibatch forward+backward
     passes, the rollout's 128 batched forward passes) and the device's dense matmul rate, the
@@ -254,6 +275,10 @@ def main():
     parser.add_argument("--num-envs", type=int, default=8, help="envs (8 is the default)")
     parser.add_argument("--script", default=SCRIPT, help="the copy of ppo_atari.py to benchmark")
     parser.add_argument("--compare", help="another copy, a row with the first config's flags")
+    parser.add_argument("--no-bounds", action="store_true",
+                        help="skip the compute-only and env-only runs (one process per row)")
+    parser.add_argument("--worker-memory", action="store_true",
+                        help="print the resident memory of each async env worker, then exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -264,6 +289,8 @@ def main():
         return env_worker(a.worker[4:], a.num_envs, a.out)
     if a.worker:
         return bound_worker(a.worker, a.num_envs, device, a.out)
+    if a.worker_memory:
+        return worker_memory(a.num_envs)
 
     batch = a.num_envs * 128
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -292,6 +319,7 @@ def main():
     for r in range(a.rounds):  # every other round in reverse order: no row always goes first
         for name in names if r % 2 == 0 else names[::-1]:
             rows[name].append(measure(name, a, batch))
+            print(f"# round {r + 1}, {name}: {rows[name][-1][0]:.0f} SPS", flush=True)
     base = None
     for name in names:
         sps, rollout, update, rss, bound_sps, env_sps = np.median(rows[name], axis=0)
@@ -321,13 +349,13 @@ def measure(name, a, batch):
                              "--total-timesteps", str(batch * a.iterations)]
                             + ([] if a.cuda else ["--no-cuda"]), tmp)
             times = trainer_times(glob.glob(os.path.join(tmp, "runs", "*"))[0])
-        bound_name = name.split(" (")[0]
-        run_child(me + ["--worker", bound_name], tmp)
-        bound = json.load(open(out))["times"]
-        run_child(me + ["--worker", "env:" + bound_name], tmp)
-        env_sps = batch / np.median(json.load(open(out))["times"])
+        bound_name, bound_sps, env_sps = name.split(" (")[0], np.nan, np.nan
+        if not a.no_bounds:
+            run_child(me + ["--worker", bound_name], tmp)
+            bound_sps = batch / np.median([sum(t) for t in json.load(open(out))["times"]])
+            run_child(me + ["--worker", "env:" + bound_name], tmp)
+            env_sps = batch / np.median(json.load(open(out))["times"])
     rollout, update = np.median([t[0] for t in times[1:]]), np.median([t[1] for t in times[1:]])
-    bound_sps = batch / np.median([sum(t) for t in bound])
     return batch / (rollout + update), rollout, update, rss, bound_sps, env_sps
 
 

@@ -1,7 +1,9 @@
 """The environment: the in-file wrappers, in this process (sync) or a process per env (async)
 with the same numbers; async workers serve the trainer through signals and die with it."""
+import gc
 import os
 import signal
+import weakref
 
 import numpy as np
 import time
@@ -31,6 +33,11 @@ def test_sync_and_async_step_identically():
     sync.close()
     asyn.close()
     assert terminations > 0, "no life was lost: the comparison saw no episode boundary"
+    closed = weakref.ref(asyn)
+    del asyn
+    gc.collect()
+    assert closed() is None, "closed async envs are still referenced (an atexit hook per call?):" \
+        " a sweep of runs in one process would keep every run's envs"
 
 
 def test_sync_and_async_train_to_the_same_losses(workdir, monkeypatch):

@@ -471,6 +471,23 @@ def test_a_compiled_cpu_run_never_initializes_cuda(workdir, monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ, "the GPUs stay hidden after the run"
 
 
+def test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote(workdir):
+    """--capture-video numbers env 0's games; a resume must number on after the videos already
+    in the folder, not start again at game-0.mp4 and overwrite the first launch's."""
+    need("main")
+    P.main(tiny_args(total_timesteps=256, stop_at_step=128, run_name="vid", capture_video=True))
+    folder = workdir / "runs" / "vid" / "videos"
+    first = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
+    assert first, "the first launch wrote no video"
+    P.main(tiny_args(total_timesteps=256, run_name="vid", capture_video=True))
+    for name, data in first.items():
+        assert (folder / name).read_bytes() == data, f"the resume overwrote {name}"
+    added = set(os.listdir(folder)) - set(first)
+    assert added, "the resumed launch wrote no video of its own"
+    last = max(int(f[5:-4]) for f in first)
+    assert all(int(f[5:-4]) > last for f in added), f"{sorted(added)} after {sorted(first)}"
+
+
 class Foreign(torch.Tensor):
     """Stands for a tensor on another device: .cpu() is what brings it to the host."""
 
