@@ -29,6 +29,10 @@ ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_device
          "test_preemption.py", "test_distributed.py"]
 
 INSTANT = "test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes"
+DEFAULTS = "test_details.py::test_args_defaults_are_the_published_hyperparameters"
+RESUME = "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"
+GAMES = "test_checkpoint.py::test_a_resume_keeps_the_last_100_games"
+STATISTICS = "test_checkpoint.py::test_env_wrapper_statistics_survive_a_resume"
 MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run first])
     # the loss
     ("entropy bonus sign", "loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss",
@@ -173,9 +177,9 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("--target-kl on the mean over ranks", "                kl /= world_size\n", "",
      "test_distributed.py::test_target_kl_is_decided_on_the_mean_over_ranks"),
     ("a resume restores Adam's state", '        optimizer.load_state_dict(ckpt["optimizer"])',
-     "        pass", "test_checkpoint.py::test_a_resume_restores_the_optimizer_and_the_rng"),
+     "        pass", "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"),
     ("a resume restores the RNG", '        set_rng_state(ckpt["rng"], device)', "        pass",
-     "test_checkpoint.py::test_a_resume_restores_the_optimizer_and_the_rng"),
+     "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"),
     ("each rank's envs seeded apart", "env_seed = args.seed + rank * args.num_envs + 7919",
      "env_seed = args.seed + 7919",
      "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
@@ -214,6 +218,40 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      '    env_id = args.env_id if "env_id" in explicit else trained\n',
      "    env_id = trained\n",
      "test_checkpoint.py::test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions"),
+    # the published defaults (tests/test_details.py's PUBLISHED table)
+    *[(f"default {name} {value}", f"    {name}: {kind} = {value}\n",
+       f"    {name}: {kind} = {broken}\n", DEFAULTS) for name, kind, value, broken in [
+        ("total_timesteps", "int", "10_000_000", "5_000_000"),
+        ("learning_rate", "float", "2.5e-4", "3e-4"), ("anneal_lr", "bool", "True", "False"),
+        ("num_envs", "int", "8", "16"), ("num_steps", "int", "128", "256"),
+        ("gamma", "float", "0.99", "0.995"), ("gae_lambda", "float", "0.95", "0.9"),
+        ("num_minibatches", "int", "4", "8"), ("update_epochs", "int", "4", "3"),
+        ("norm_adv", "bool", "True", "False"), ("clip_coef", "float", "0.1", "0.2"),
+        ("anneal_clip", "bool", "False", "True"), ("clip_vloss", "bool", "True", "False"),
+        ("ent_coef", "float", "0.01", "0.001"), ("vf_coef", "float", "0.5", "1.0"),
+        ("max_grad_norm", "float", "0.5", "1.0"),
+        ("target_kl", "float | None", "None", "0.015")]],
+    # a resume's state, piece by piece (Adam's state, the RNG and carry are above)
+    ("a resume restores the weights",
+     '        load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])\n',
+     "        pass\n", RESUME),
+    ("a resume continues the iteration count",
+     'iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)',
+     'iteration, global_step = (0, ckpt["global_step"]) if ckpt else (0, 0)',
+     "test_checkpoint.py::test_resumed_run_continues_the_uninterrupted_one"),
+    ("a resume continues the step count",
+     'iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)',
+     'iteration, global_step = (ckpt["iteration"], 0) if ckpt else (0, 0)',
+     "test_checkpoint.py::test_resumed_run_continues_the_uninterrupted_one"),
+    ("the last 100 games are saved", '"recent_returns": list(recent),',
+     '"recent_returns": [],', GAMES),
+    ("the last 100 games are restored", '        recent.extend(ckpt["recent_returns"])\n',
+     "        pass\n", GAMES),
+    ("wrapper statistics are saved", '"env_statistics": wrapper_statistics(envs), "carry"',
+     '"env_statistics": {}, "carry"', STATISTICS),
+    ("wrapper statistics are restored",
+     '        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))\n',
+     "        pass\n", STATISTICS),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",

@@ -14,7 +14,7 @@ import torch
 
 import ppo_atari as P
 from conftest import (SCRIPT, TINY, Truncating, bound, need, need_text, obs_shape, run_dirs,
-                      run_in_process, scalars, takes)
+                      run_in_process, scalars, takes, truncating_envs)
 
 OBS = obs_shape()
 
@@ -388,9 +388,33 @@ def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
     assert torch.equal(carry["running"], torch.tensor(12.0))
 
 
-def test_a_resume_restores_the_optimizer_and_the_rng(workdir, monkeypatch):
-    """A resumed run goes on with Adam's moments and step counts and the torch RNG (action
-    samples, minibatch order) of its checkpoint, not fresh ones."""
+def test_a_resume_keeps_the_last_100_games(workdir, monkeypatch):
+    """charts/avg_episodic_return, the figure papers report, is the mean of the last 100
+    finished games of the whole run: after a resume, the games finished before the checkpoint
+    still count. Checked against the run's own per-game events (charts/episodic_return), in a
+    stand-in game that ends every 5 steps (about 13 games an iteration, 115 before the stop)."""
+    need("main")
+    monkeypatch.setattr(P, "make_envs", truncating_envs)
+    monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
+    args = dict(env_id="Truncating", total_timesteps=16 * 64, run_name="games")
+    P.main(tiny_args(**args, stop_at_step=9 * 64))
+    P.main(tiny_args(**args))
+    logged = scalars(str(workdir / "runs" / "games"), raw=True)
+    games, averages = logged["charts/episodic_return"], logged["charts/avg_episodic_return"]
+    assert sum(step <= 9 * 64 for step, _ in games) > 100, "too few games before the stop"
+    after = [(step, avg) for step, avg in averages if step > 9 * 64]
+    assert [step for step, _ in after] == [64 * i for i in range(10, 17)], after
+    for step, avg in after:
+        last = [score for s, score in games if s <= step][-100:]
+        assert abs(avg - np.mean(last)) < 1e-4, (
+            f"avg_episodic_return at step {step} after the resume: {avg:.4f}; the mean of the "
+            f"run's last 100 games is {np.mean(last):.4f} (the resume forgot the games finished "
+            f"before the checkpoint?)")
+
+
+def test_a_resume_restores_the_weights_the_optimizer_and_the_rng(workdir, monkeypatch):
+    """A resumed run goes on with the checkpoint's weights, Adam's moments and step counts and
+    the torch RNG (action samples, minibatch order), not fresh ones."""
     need("main")
     P.main(tiny_args(total_timesteps=2 * 64, run_name="r"))
     saved = P.load_checkpoint(str(workdir / "runs" / "r"))
@@ -403,12 +427,16 @@ def test_a_resume_restores_the_optimizer_and_the_rng(workdir, monkeypatch):
     def update(*a, **kw):
         if "optimizer" not in seen:  # a copy: the update changes the moments in place
             seen["optimizer"] = copy.deepcopy(bound(real_update, a, kw)["optimizer"].state_dict())
+            seen["weights"] = copy.deepcopy(bound(real_update, a, kw)["agent"].state_dict())
         return real_update(*a, **kw)
 
     monkeypatch.setattr(P, "rollout", rollout)
     monkeypatch.setattr(P, "update", update)
     P.main(tiny_args(total_timesteps=3 * 64, run_name="r"))
     assert torch.equal(seen["rng"], saved["rng"]["torch"]), "the RNG was not restored"
+    assert saved["model"].keys() == seen["weights"].keys() and all(
+        torch.equal(saved["model"][k], seen["weights"][k]) for k in saved["model"]), \
+        "the resumed run did not start from the checkpoint's weights"
     state, restored = saved["optimizer"]["state"], seen["optimizer"]["state"]
     assert state and set(state) == set(restored), "Adam's state was not restored"
     for k in state:

@@ -1,6 +1,7 @@
 """Small, fast checks that pin the implementation details of PPO one by one (the "37 details"
 of Huang et al. 2022): the loss's terms and weights, initialization, the optimizer and what the
 training loop feeds them. tests/mutate.py breaks each detail and checks that a test fails."""
+import dataclasses
 import math
 
 import pytest
@@ -201,6 +202,42 @@ def test_observations_are_scaled_to_unit_range():
     expect((torch.allclose(value, agent.critic(hidden).squeeze(-1), atol=1e-6) and
             torch.allclose(logits, agent.actor(hidden), atol=1e-6), "frames are scaled to [0, 1] "
             "(x / 255) before the trunk (published); this copy's outputs differ from that"))
+
+
+CLEANRL = "CleanRL ppo_atari.py"
+PPO2 = "CleanRL ppo_atari.py; baselines ppo2's Atari defaults (Huang et al. 2022)"
+# The published hyperparameters this file claims, each with its source, written here apart from
+# the file: a test that read them from Args could not fail. Adam's eps is checked on the
+# optimizer the training makes.
+PUBLISHED = {
+    "total_timesteps": (10_000_000, CLEANRL + " (the 10M-step scores README quotes)"),
+    "learning_rate": (2.5e-4, PPO2), "anneal_lr": (True, PPO2),
+    "num_envs": (8, PPO2), "num_steps": (128, PPO2),
+    "gamma": (0.99, PPO2), "gae_lambda": (0.95, PPO2),
+    "num_minibatches": (4, PPO2), "update_epochs": (4, PPO2),
+    "norm_adv": (True, PPO2 + ": per-minibatch advantage normalization"),
+    "clip_coef": (0.1, PPO2), "anneal_clip": (False, PPO2 + ": a constant clip range"),
+    "clip_vloss": (True, PPO2 + ": the clipped value loss"),
+    "ent_coef": (0.01, PPO2), "vf_coef": (0.5, PPO2), "max_grad_norm": (0.5, PPO2),
+    "target_kl": (None, CLEANRL + ": no early stop"),
+}
+
+
+def test_args_defaults_are_the_published_hyperparameters(instrumented):
+    """One line per field whose default differs from the published value, so a fork that
+    changes a default on purpose reads exactly what it changed (and that its scores are no
+    longer those README quotes)."""
+    need("main")
+    defaults = {f.name: f.default for f in dataclasses.fields(P.Args)}
+    lines = [f"--{name.replace('_', '-')}: published {value!r} ({source}); this copy's "
+             f"default {defaults.get(name, 'absent')!r}"
+             for name, (value, source) in PUBLISHED.items()
+             if name not in defaults or defaults[name] != value
+             or type(defaults[name]) is not type(value)]
+    eps = [kw.get("eps") for kw in instrumented["adam"]]
+    if eps != [1e-5]:
+        lines.append(f"Adam eps: published 1e-05 ({PPO2}); this copy's optimizers' {eps}")
+    assert not lines, "defaults that are not the published hyperparameters:\n" + "\n".join(lines)
 
 
 def test_adam_eps_and_learning_rate(instrumented):
