@@ -304,6 +304,9 @@ def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
              "lr": optimizer.param_groups[0]["lr"] if optimizer else None, "args": args,
              "clip_coef": None if clip is None else float(clip),
              "actions": mb["actions"].flatten().clone() if isinstance(mb, dict) else None}
+    if isinstance(mb, dict):  # what reaches the loss from the estimator
+        entry["targets"] = {k: mb[k].detach().flatten().double().clone()
+                            for k in ("values", "advantages", "returns") if k in mb}
     if isinstance(mb, dict) and agent is not None and not seam_problem(
             "Agent.get_action_and_value"):
         with torch.no_grad():
@@ -330,7 +333,8 @@ def instrumented(tmp_path_factory):
     import torch
     import torch.nn as nn
     import ppo_atari as P
-    seen = {"adam": [], "clip": [], "loss": [], "gae": [], "batch": [], "optimizer": None}
+    seen = {"adam": [], "clip": [], "loss": [], "gae": [], "batch": [], "rollouts": [],
+            "optimizer": None, "agent": None}
 
     class Adam(torch.optim.Adam):
         def __init__(self, params, *a, **kw):
@@ -359,6 +363,19 @@ def instrumented(tmp_path_factory):
         return advantages, returns
 
     def make_batch(*a, **kw):  # whatever estimator the copy runs, its batch
+        call = bound(real_batch, a, kw)  # and the rollout it estimates from
+        storage, agent, next_obs = (call.get(k) for k in ("storage", "agent", "next_obs"))
+        rollout = {"problem": "make_batch(agent, storage, next_obs, ...) with storage's "
+                   "rewards, values and dones (T, N)"}
+        if isinstance(storage, dict) and {"rewards", "values", "dones"} <= set(storage) and \
+                not seam_problem("Agent.get_action_and_value"):
+            with torch.no_grad():
+                next_value = agent.get_action_and_value(next_obs)[3]
+            rollout = {k: storage[k].detach().double().clone()
+                       for k in ("rewards", "values", "dones")}
+            rollout["next_value"] = next_value.detach().double().flatten().clone()
+        seen["rollouts"].append(rollout)
+        seen["agent"] = agent
         batch = real_batch(*a, **kw)
         if isinstance(batch, dict) and {"values", "returns"} <= set(batch):
             seen["batch"].append({k: batch[k].detach().flatten().clone()

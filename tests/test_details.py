@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import expect, gae_calls, loss_calls, need, obs_shape, truncating_envs
+from conftest import (expect, gae_calls, loss_calls, need, obs_shape, seam_problem,
+                      truncating_envs)
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -158,11 +159,31 @@ def test_the_trunk_is_the_nature_cnn():
 
 
 def test_the_heads_read_the_trunks_features_directly():
+    """NatureCNN of record: the actor and the critic each read the trunk's features, nothing in
+    between (their size is test_the_trunk_is_the_nature_cnn's); modules beside them (an auxiliary or intrinsic value head) are the fork's own.
+    Where the Agent's interface changed (a recurrent policy), its parameters tell instead."""
     need("Agent heads")
-    others = sorted({name.split(".")[0] for name, _ in P.Agent(OBS, 6).named_parameters()} -
-                    {"network", "actor", "critic"})
-    assert not others, ("NatureCNN of record: the heads read the trunk's 512 features directly; "
-                        f"this copy's Agent also has parameters in {', '.join(others)}")
+    agent = P.Agent(OBS, 6)
+    if seam_problem("Agent.get_action_and_value"):
+        others = sorted({name.split(".")[0] for name, _ in agent.named_parameters()} -
+                        {"network", "actor", "critic"})
+        assert not others, ("NatureCNN of record: the heads read the trunk's 512 features "
+                            f"directly; this copy's Agent also has parameters in "
+                            f"{', '.join(others)}")
+        return
+    seen = {}
+    agent.network.register_forward_hook(lambda m, i, out: seen.setdefault("trunk", out))
+    for head in ("actor", "critic"):
+        getattr(agent, head).register_forward_pre_hook(
+            lambda m, i, head=head: seen.setdefault(head, i[0]))
+    with torch.no_grad():
+        agent.get_action_and_value(torch.randint(0, 256, (5, *OBS), dtype=torch.uint8))
+    trunk = seen.get("trunk")
+    expect(*[(trunk is not None and head in seen and seen[head].shape == trunk.shape and
+              torch.equal(seen[head], trunk), f"NatureCNN of record: the {head} reads the "
+              f"trunk's 512 features directly; this copy's {head} reads "
+              f"{tuple(seen[head].shape) if head in seen else 'nothing'} that are not the "
+              f"trunk's output") for head in ("actor", "critic")])
 
 
 @pytest.mark.parametrize("part,gain", [("hidden", math.sqrt(2)), ("actor", 0.01),
@@ -320,6 +341,97 @@ def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumente
             f"this copy's GAE got {dones[:, 0].tolist() if dones.dim() == 2 else dones.shape}"),
            (bool(torch.all(next_value != 0)), "GAE bootstraps from the value of the observation "
             "after the rollout's last step; this copy's next_value is 0"))
+
+
+def gae_of_record(rewards, values, dones, next_value, gamma, lam):
+    """GAE (Schulman et al. 2016) as CleanRL and baselines ppo2 compute it, written here apart
+    from the file: dones[t] = 1 when step t's action ended the episode; the last step bootstraps
+    from the next observation's value. Returns (advantages, returns = advantages + values)."""
+    advantages, running = torch.zeros_like(rewards), torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[0])):
+        following = next_value if t == rewards.shape[0] - 1 else values[t + 1]
+        delta = rewards[t] + gamma * following * (1 - dones[t]) - values[t]
+        running = delta + gamma * lam * (1 - dones[t]) * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def test_the_loss_receives_gae_of_the_rollout(instrumented):
+    """What reaches the loss: the advantages and returns (value targets) in every minibatch the
+    training loss receives equal GAE of that iteration's rollout (its rewards, values and
+    dones, bootstrapped from the value of the next observation), whatever the copy computes
+    them with. Rows are matched through their rollout value (mb["values"])."""
+    calls, rollouts = loss_calls(instrumented), instrumented["rollouts"]
+    need(what="make_batch(agent, storage, next_obs, ...) with storage's rewards, values and "
+         "dones (T, N), and Agent.get_action_and_value(next_obs) for the bootstrap value",
+         problem=None if rollouts and "rewards" in rollouts[0] else "this copy has not")
+    args = calls[0]["args"]
+    per_iteration = len(calls) // len(rollouts)
+    gaps, rows = {"advantages": [], "returns": []}, 0
+    for i, rollout in enumerate(rollouts):
+        advantages, returns = gae_of_record(rollout["rewards"], rollout["values"],
+                                            rollout["dones"], rollout["next_value"],
+                                            args.gamma, args.gae_lambda)
+        expected = {"advantages": advantages.flatten(), "returns": returns.flatten()}
+        where = {round(float(v), 9): j for j, v in enumerate(rollout["values"].flatten())}
+        assert len(where) == rollout["values"].numel(), "rollout values repeat: rows unmatched"
+        for call in calls[i * per_iteration:(i + 1) * per_iteration]:
+            got = call["targets"]
+            need(what="minibatch_loss's mb with 'values', 'advantages' and 'returns'",
+                 problem=None if len(got) == 3 else f"this copy's mb has {sorted(got)}")
+            index = torch.tensor([where.get(round(float(v), 9), -1) for v in got["values"]])
+            assert (index >= 0).all(), "the minibatch's values are not the rollout's"
+            rows += len(index)
+            for key in gaps:
+                gaps[key].append((got[key] - expected[key][index]).abs())
+    lines = []
+    for key, parts in gaps.items():
+        gap = torch.cat(parts)
+        if gap.max() > 1e-4:
+            what = "returns (the value targets)" if key == "returns" else key
+            lines.append(f"{what}: differ from GAE(gamma {args.gamma}, lambda {args.gae_lambda}) "
+                         f"of the rollout by up to {gap.max():.4g} (mean {gap.mean():.4g}; "
+                         f"{int((gap > 1e-4).sum())} of {rows} minibatch rows)")
+    assert not lines, ("what the training loss receives is not GAE of record (CleanRL, "
+                       "baselines ppo2):\n" + "\n".join(lines))
+
+
+def test_the_loss_of_record_far_from_ratio_one(instrumented):
+    """The training loss on a crafted minibatch of the real agent: ratios from e^-3 to e^3 (far
+    outside the clip range on both sides), advantages of both signs, values far from their
+    targets, against PPO's loss of record term by term (a dual clip, another value loss or a
+    bounded surrogate shows up here, where real minibatches, near ratio 1, do not reach)."""
+    call = loss_calls(instrumented)[-1]
+    need("Agent.get_action_and_value")
+    args, agent = call["args"], instrumented["agent"]
+    n, g = 48, torch.Generator().manual_seed(0)
+    obs = torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=g)
+    actions = torch.randint(0, 4, (n,), generator=g)
+    with torch.no_grad():
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
+    shift = torch.linspace(-3, 3, n)  # log-ratio: newlogprob - logprob
+    signs = torch.tensor([1.0, -1.0]).repeat(n // 2)
+    mb = {"obs": obs, "actions": actions, "logprobs": newlogprob - shift,
+          "advantages": signs * (torch.rand(n, generator=g) * 4 + 0.5),
+          "values": newvalue + torch.randn(n, generator=g) * 3,
+          "returns": newvalue + torch.randn(n, generator=g) * 10}
+    clip = 0.1
+    loss, metrics = P.minibatch_loss(agent, mb, torch.tensor(clip), args, {})
+    ratio = torch.exp(newlogprob - mb["logprobs"])
+    adv = mb["advantages"]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8) if args.norm_adv else adv
+    pg = -torch.min(adv * ratio, adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+    error = (newvalue - mb["returns"]) ** 2
+    moved = mb["values"] + (newvalue - mb["values"]).clamp(-clip, clip)
+    v = 0.5 * (torch.maximum(error, (moved - mb["returns"]) ** 2) if args.clip_vloss else
+               error).mean()
+    of_record = {"policy_loss": pg, "value_loss": v, "entropy": entropy.mean(),
+                 "loss": pg - args.ent_coef * entropy.mean() + args.vf_coef * v}
+    got = {k: float(metrics[k]) for k in ("policy_loss", "value_loss", "entropy") if k in metrics}
+    got["loss"] = float(loss)
+    expect(*[(abs(got[k] - float(e)) <= 1e-4 * max(1.0, abs(float(e))), f"{k} at ratios e^-3.."
+              f"e^3, advantages of both signs, values far from their targets: PPO's "
+              f"{float(e):.6g}; this copy's {got[k]:.6g}") for k, e in of_record.items() if k in got])
 
 
 def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):
