@@ -22,12 +22,13 @@ import multiprocessing.resource_tracker
 import os
 import random
 import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 # before torch loads OpenMP: idle threads sleep, so runs sharing cores do not starve each other
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -46,23 +47,30 @@ gym.register_envs(ale_py)
 ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every start; errors show
 
 
+# Fields a resume may change (neither the network, the game nor the optimisation done so far),
+# here because --resume's help lists them; LAUNCH_ONLY: this launch's own, never saved
+LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
+RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
+                                    "wandb_project_name", "wandb_entity", "capture_video",
+                                    "compile", "env_backend", "run_name", "dist_timeout"}
+RESUME_HELP = "a run folder or checkpoint to continue; it may change only " + ", ".join(
+    f"--{name.replace('_', '-')}" for name in sorted(RESUME_OVERRIDABLE - {"resume"}))
+
+
 @dataclass
 class Args:
     """PPO on Atari (one file, CleanRL style). Each run writes TensorBoard logs, checkpoint.pt and
     agent.pt to runs/<run>/; the same command with --run-name continues a stopped run."""
 
+    # CleanRL's fields, in CleanRL's order (anneal_clip beside its kin)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (part of the run folder's name)"""
-    run_name: str | None = None
-    """the run folder runs/RUN_NAME, which the same command continues; None: a new dated name"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
     """True: cudnn picks deterministic kernels (and cudnn.benchmark stays off)"""
     cuda: bool = True
     """True: train on CUDA when it is available"""
-    threads: int | None = None
-    """torch's CPU threads per process; None: the usable cores / torchrun's local processes"""
     track: bool = False
     """True: also log to Weights and Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "ppo-atari"
@@ -71,15 +79,10 @@ class Args:
     """the wandb entity (team); None: your default entity"""
     capture_video: bool = False
     """True: write mp4 videos of full games of env 0 to the run folder's videos/"""
-
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the Atari environment (NoFrameskip-v4 or ALE/...-v5)"""
-    env_backend: Literal["auto", "sync", "async"] = "auto"
-    """sync: the envs in this process; async: a process each; auto: async on CUDA with 4+ cores"""
     total_timesteps: int = 10_000_000
     """total agent steps of the run, summed over envs (and processes under torchrun)"""
-    stop_at_step: int | None = None
-    """stop with a checkpoint once this many steps are done, the schedule still to the total"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 8
@@ -88,8 +91,6 @@ class Args:
     """the number of steps run in each environment per rollout"""
     anneal_lr: bool = True
     """True: anneal the learning rate linearly to 0 over the run"""
-    anneal_clip: bool = False
-    """True: anneal the clip coefficient linearly to 0 over the run, as the PPO paper does"""
     gamma: float = 0.99
     """the discount factor gamma"""
     gae_lambda: float = 0.95
@@ -102,6 +103,8 @@ class Args:
     """True: normalize advantages within each minibatch"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
+    anneal_clip: bool = False
+    """True: anneal the clip coefficient linearly to 0 over the run, as the PPO paper does"""
     clip_vloss: bool = True
     """True: clip the value loss as in baselines ppo2"""
     ent_coef: float = 0.01
@@ -113,20 +116,27 @@ class Args:
     target_kl: float | None = None
     """stop an update's epochs early when approx_kl exceeds this; None: never"""
 
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 autocast for the network's trunk (CUDA; CPUs with AVX512-BF16 or AMX)"""
-    compile: bool = False
-    """True: torch.compile the rollout's policy and the minibatch loss"""
+    # the file's own: run management, speed, torchrun
+    run_name: str | None = None
+    """the run folder runs/RUN_NAME, which the same command continues; None: a new dated name"""
+    resume: Annotated[str | None, tyro.conf.arg(help=RESUME_HELP)] = None
+    """a run folder or checkpoint to continue (--help lists what it may change)"""
+    stop_at_step: int | None = None
+    """stop with a checkpoint once this many steps are done, the schedule still to the total"""
     checkpoint_interval: int = 50
     """write checkpoint.pt every this many iterations (and at the end)"""
-    resume: str | None = None
-    """a run folder or checkpoint to continue; it may change only --total-timesteps, \
---stop-at-step, --checkpoint-interval, --cuda, --threads, --compile, --env-backend, --run-name, \
---dist-timeout, --track, --wandb-project-name, --wandb-entity and --capture-video"""
     eval_checkpoint: str | None = None
     """score this saved agent (agent.pt or checkpoint.pt) instead of training"""
     eval_episodes: int = 10
     """the number of full games --eval-checkpoint plays"""
+    env_backend: Literal["auto", "sync", "async"] = "auto"
+    """sync: the envs in this process; async: a process each; auto: async on CUDA with 4+ cores"""
+    threads: int | None = None
+    """torch's CPU threads per process; None: the usable cores / torchrun's local processes"""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 autocast for the network's trunk (CUDA; CPUs with AVX512-BF16 or AMX)"""
+    compile: bool = False
+    """True: torch.compile the rollout's policy and the minibatch loss"""
     dist_timeout: int = 600
     """torchrun: seconds a rendezvous or collective may wait for the other processes, then fail"""
 
@@ -230,17 +240,11 @@ class GrayResize(gym.ObservationWrapper):
         return cv2.resize(gray, (self.size, self.size), interpolation=cv2.INTER_AREA)
 
 
-def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game=False,
-             trainer_pid: int | None = None):
+def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game=False):
     """A thunk for the vector env: one Atari game with the wrappers of record. Observations
     (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
-        if trainer_pid not in (None, os.getpid()):  # an async worker, not the trainer (which
-            # runs a thunk for the spaces): it ignores Ctrl-C/SIGTERM, dies when its pipe closes
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            cv2.setNumThreads(1)  # one core per worker: never oversubscribe the machine
         gym.register_envs(ale_py)  # a spawned worker registers the ids itself
         env = gym.make(env_id, frameskip=1)  # frame skipping is done by MaxAndSkip
         if video_folder is not None:
@@ -265,13 +269,12 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     step() and its new first obs returned, so no reset transition enters a batch."""
     use_async = choose_backend(args, args.cuda and torch.cuda.is_available(),
                                int(os.environ.get("LOCAL_WORLD_SIZE", 1))) == "async"
-    trainer = os.getpid() if use_async else None
-    thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game, trainer)
+    thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
     if use_async:  # a process per env, started by start_workers (below the fence)
-        envs = start_workers(lambda: gym.vector.AsyncVectorEnv(
-            thunks, autoreset_mode=same_step, context="spawn", copy=False))
+        envs = start_workers(lambda worker: gym.vector.AsyncVectorEnv(
+            thunks, autoreset_mode=same_step, context="spawn", copy=False, worker=worker))
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
     shape = envs.single_observation_space.shape
@@ -438,9 +441,10 @@ def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_ste
     return next_obs, games, global_step
 
 
-def make_batch(agent, storage: dict, next_obs, autocast, args: Args) -> dict:
+def make_batch(agent, storage: dict, next_obs, autocast, args: Args, carry: dict) -> dict:
     """Advantages by GAE (on the host, one copy each way), then the rollout flattened to
-    (T * N, ...): obs, actions, logprobs, values, advantages, returns."""
+    (T * N, ...): obs, actions, logprobs, values, advantages, returns. Another estimator goes
+    here (carry: a running statistic it keeps)."""
     with torch.inference_mode(), autocast:
         _, next_value = agent(next_obs)
     advantages, returns = compute_gae(storage["rewards"], storage["values"].cpu(), storage["dones"],
@@ -449,6 +453,15 @@ def make_batch(agent, storage: dict, next_obs, autocast, args: Args) -> dict:
     device = storage["obs"].device
     return batch | {"advantages": advantages.flatten().to(device),
                     "returns": returns.flatten().to(device)}
+
+
+def check_sizes(args: Args):
+    """What the update needs of the sizes, checked at start-up (a fork's update that splits the
+    batch otherwise checks its own here); `fail` says it in one line."""
+    batch = args.num_envs * args.num_steps
+    if batch % args.num_minibatches:
+        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of --num-envs "
+             f"{args.num_envs} x --num-steps {args.num_steps} = {batch}; pick a divisor of {batch}")
 
 
 def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
@@ -484,16 +497,22 @@ def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Ar
     return totals, n_minibatches
 
 
-def summarize(agent, totals: dict, n_minibatches: int, batch: dict, stop: list, games: list,
+def act(agent, obs, memory: dict):
+    """The action evaluate() plays for obs (B, C, H, W), sampled as in training. memory: the
+    evaluation's own dict, with "starts" (B,) (1.0 where obs begins a new episode) and whatever
+    a recurrent policy keeps between steps."""
+    return agent.get_action_and_value(obs)[0]
+
+
+def summarize(agent, totals: dict, n_minibatches: int, batch: dict, games: list,
               world_size: int):
     """The iteration's scalars, averaged over ranks, in one host sync: losses/<name> (the mean
-    over minibatches), the explained variance, and the flags `finite` (1.0: all parameters are
-    finite) and `stop` (> 0: a rank was signalled). Returns them and every rank's games."""
+    over minibatches), the explained variance, and `finite` (1.0: all parameters are finite).
+    Returns them and every rank's games."""
     stats = {f"losses/{name}": total / n_minibatches for name, total in totals.items()}
     y_pred, y_true = batch["values"], batch["returns"]
     stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
     stats["finite"] = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
-    stats["stop"] = torch.tensor(float(len(stop)), device=y_true.device)
     flat = torch.stack([v.float() for v in stats.values()])
     if world_size > 1:
         dist.all_reduce(flat)
@@ -528,11 +547,12 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
 # The training loop
 
 
-def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank: int = 0,
+def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, rank: int = 0,
           world_size: int = 1):
     """Rollout, advantages, update and logging, with a checkpoint every --checkpoint-interval,
-    until --total-timesteps (or --stop-at-step, or a signal appended to `stop`). ckpt: the
-    checkpoint to continue, or None. Returns the trained agent."""
+    until --total-timesteps (or --stop-at-step, or a Ctrl-C or SIGTERM, which main's handler
+    appends to `signals`). ckpt: the checkpoint to continue, or None. Returns the trained
+    agent."""
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     # seeding: one block; each rank gets its own env seeds and action samples
     random.seed(args.seed + rank)
@@ -559,7 +579,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    writer = open_run(args, run_dir, ckpt, agent, optimizer, envs, carry) if rank == 0 else None
+    writer = begin_run(args, run_dir, ckpt, agent, optimizer, envs, carry) if rank == 0 else None
 
     storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
                            device)
@@ -581,16 +601,16 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
         next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
                                                global_step, args.num_envs * world_size)
         t1 = time.time()
-        batch = make_batch(agent, storage, next_obs, autocast, args)
+        batch = make_batch(agent, storage, next_obs, autocast, args, carry)
         totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
                                        world_size, carry)
-        stats, games = summarize(agent, totals, n_minibatches, batch, stop, games, world_size)
+        stats, games = summarize(agent, totals, n_minibatches, batch, games, world_size)
         if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
             close(envs, writer)
             fail(f"non-finite loss or parameters at iteration {iteration} (global step "
                  f"{global_step}); stopped; the last good checkpoint is in {run_dir}", code=1)
         recent.extend(r for _, r, _ in games)
-        stopped = stats["stop"] > 0
+        stopped = any_rank_signalled(signals, world_size, device)  # Ctrl-C or SIGTERM
         at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         last = iteration == num_iterations or stopped or at_stop
         now = time.time()
@@ -611,8 +631,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
                 writer.flush()  # the logs reach at least as far as the checkpoint
                 if last:  # agent.pt first: a kill between the two leaves the previous checkpoint
                     save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
-                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, recent,
-                         carry)
+                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, iteration,
+                                recent, carry)
         if last:
             break
 
@@ -621,21 +641,13 @@ def train(args: Args, ckpt: dict | None, device: torch.device, stop: list, rank:
         say_how_to_continue(run_dir, args, global_step, stopped,
                             at_stop and iteration < num_iterations, world_size)
     if stopped:
-        raise SystemExit(128 + (stop[0] if stop else signal.SIGTERM))
+        raise SystemExit(128 + (signals[0] if signals else signal.SIGTERM))
     return agent
 
 
 # ================================= THE FENCE =================================================
 # Below: the machinery a fork leaves alone. Argument checks; torchrun; checkpoint files; run
 # folders and resume; signals; evaluation; videos; main. Nothing here changes what PPO computes.
-
-# Fields a resume may change (neither the network, the game nor the optimisation done so far);
-# LAUNCH_ONLY: this launch's own, never taken from a checkpoint
-LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
-RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
-                                    "wandb_project_name", "wandb_entity", "capture_video",
-                                    "compile", "env_backend", "run_name", "dist_timeout"}
-
 
 def fail(message: str, code: int = 2):
     """Bad input: one line on stderr, no traceback, a non-zero exit."""
@@ -659,10 +671,8 @@ def check_args(args: Args, world_size: int = 1):
         if value is not None and not value > 0:
             kind = "positive" if isinstance(value, float) else "a positive integer"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
+    check_sizes(args)
     batch = args.num_envs * args.num_steps
-    if batch % args.num_minibatches:
-        fail(f"--num-minibatches {args.num_minibatches} does not divide the batch of --num-envs "
-             f"{args.num_envs} x --num-steps {args.num_steps} = {batch}; pick a divisor of {batch}")
     if args.total_timesteps < batch * world_size:
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
              f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
@@ -679,12 +689,14 @@ def check_env_id(env_id: str):
     def wanted(name):
         return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
 
-    if env_id not in gym.registry:
-        ids = {}  # game -> its recommended id, NoFrameskip-v4 first
-        for name in sorted(filter(wanted, gym.registry), key=lambda n: n.startswith("ALE/")):
-            ids.setdefault(game(name), name)
-        close = difflib.get_close_matches(game(env_id), list(ids), 2, 0.75)
-        hint = f"did you mean {' or '.join(ids[g] for g in close)}?" if close else \
+    if env_id not in gym.registry:  # suggest an id of the family asked for (ALE/...-v5 or not)
+        family = {n.lower(): n for n in gym.registry
+                  if wanted(n) and n.startswith("ALE/") == env_id.startswith("ALE/")}
+        close = difflib.get_close_matches(env_id.lower(), list(family), 1, 0.8)  # a typo
+        if not close:  # the game's name alone, or another version of it
+            games = {game(name): low for low, name in family.items()}
+            close = [games[g] for g in difflib.get_close_matches(game(env_id), games, 1, 0.75)]
+        hint = f"did you mean {family[close[0]]}?" if close else \
             "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
         fail(f"unknown --env-id {env_id!r}; {hint}")
     spec = gym.spec(env_id)
@@ -745,18 +757,27 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async() with the async workers born with Ctrl-C and SIGTERM blocked (the process
-    group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is unsafe.
-    The resource tracker starts first, as starting it unblocks signals."""
+    """make_async(env_worker) with the async workers born with Ctrl-C and SIGTERM blocked (the
+    process group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is
+    unsafe. The resource tracker starts first, as starting it unblocks signals."""
     multiprocessing.resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        envs = make_async()
+        envs = make_async(env_worker)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     atexit.unregister(kill_workers)  # once per process, however many runs it starts
     atexit.register(kill_workers)
     return envs
+
+
+def env_worker(*args, **kwargs):
+    """An async env's process: gymnasium's worker loop, ignoring Ctrl-C and SIGTERM (it ends
+    when the trainer closes its pipe), with one OpenCV thread (a core per worker at most)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    cv2.setNumThreads(1)
+    return gym.vector.async_vector_env._async_worker(*args, **kwargs)
 
 
 def kill_workers():
@@ -841,6 +862,16 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
         all_in.set()
 
 
+def any_rank_signalled(signals: list, world_size: int, device) -> bool:
+    """Whether this process or, under torchrun, any rank got a Ctrl-C or SIGTERM: all stop
+    together, at the same iteration."""
+    if world_size == 1:
+        return bool(signals)
+    flag = torch.tensor(float(bool(signals)), device=device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
 def all_reduce_gradients(agent: nn.Module, world_size: int):
     """Averages the gradients over ranks in one flat all-reduce; parameters without a gradient
     (frozen, or unused by the loss) are skipped: the same ones on every rank."""
@@ -901,7 +932,7 @@ def set_rng_state(state: dict, device: torch.device):
         torch.cuda.set_rng_state(cuda, device)
 
 
-def save_checkpoint(path: str, state: dict):
+def write_atomically(path: str, state: dict):
     """Atomic: a temporary file, flushed to disk, then renamed over the old one, so that a crash
     at any point leaves either the old or the new file, both complete."""
     with open(path + ".tmp", "wb") as f:
@@ -940,33 +971,54 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
-def wrapper_statistics(envs) -> dict:
-    """{attribute: [its state per env]} for each gymnasium RunningMeanStd in make_env's wrappers
-    (NormalizeReward's return_rms, NormalizeObservation's obs_rms), as tensors."""
+EPISODIC_WRAPPERS = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward",
+                     "GrayResize", "VideoRecorder"}  # the file's own: their state is one game's
 
-    probe = envs.envs[0] if hasattr(envs, "envs") else envs.env_fns[0]()  # async: a throwaway
-    names, layer = set(), probe
+
+def wrapper_statistics(envs) -> dict:
+    """The env wrappers' state a checkpoint keeps, per env: gymnasium's running statistics
+    (NormalizeReward's return_rms, NormalizeObservation's obs_rms) and every attribute whose
+    name ends in _state (where a fork's own wrapper keeps what a resume continues). Under
+    "unsaved": numbers and arrays of other wrappers that changed since their env was made,
+    which a resume cannot restore."""
+    fresh, names, unsaved = envs.env_fns[0](), {}, []
+    layer = fresh
     while layer is not None:
-        names |= {k for k, v in vars(layer).items() if isinstance(v, RunningMeanStd)}
+        kind = type(layer)
+        for k, v in vars(layer).items():
+            if isinstance(v, RunningMeanStd) or k.endswith("_state"):
+                names[k] = isinstance(v, RunningMeanStd)
+            elif kind.__name__ not in EPISODIC_WRAPPERS and not isinstance(v, bool) and \
+                    isinstance(v, (int, float, np.ndarray, torch.Tensor)) and \
+                    kind.__module__.split(".")[0] not in ("gymnasium", "ale_py") and \
+                    not np.array_equal(np.asarray(envs.get_attr(k)[0]), np.asarray(v)):
+                unsaved.append(f"{kind.__name__}.{k}")
         layer = getattr(layer, "env", None)
-    if not hasattr(envs, "envs"):
-        probe.close()
-    return {name: [{"mean": torch.as_tensor(s.mean), "var": torch.as_tensor(s.var),
-                    "count": float(s.count)} for s in envs.get_attr(name)] for name in names}
+    fresh.close()
+    saved = {k: [{"mean": torch.as_tensor(s.mean), "var": torch.as_tensor(s.var),
+                  "count": float(s.count)} for s in envs.get_attr(k)] if rms else
+             list(envs.get_attr(k)) for k, rms in names.items()}
+    return saved | ({"unsaved": unsaved} if unsaved else {})
 
 
 def restore_wrapper_statistics(envs, saved: dict):
-    """Sets the wrappers' running statistics back to the checkpoint's (rank 0's envs', under
-    torchrun), and says in one line which it cannot: those only one side has."""
-    now = wrapper_statistics(envs)
+    """Sets the wrappers' state back to the checkpoint's (rank 0's envs', under torchrun), and
+    says in one line what it cannot: state only one side has, or that was never saved."""
+    saved = dict(saved)
+    unsaved, now = saved.pop("unsaved", []), wrapper_statistics(envs)
+    now.pop("unsaved", None)
     for name in now.keys() & saved.keys():
-        stats = envs.get_attr(name)
-        for s, state in zip(stats, saved[name]):
-            s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), state["count"]
-        envs.set_attr(name, list(stats))
-    if now.keys() != saved.keys():
-        print(f"note: env wrapper statistics {sorted(now.keys() ^ saved.keys())} are not "
-              f"restored: the checkpoint or these envs lack them (they start afresh)", flush=True)
+        if isinstance(envs.get_attr(name)[0], RunningMeanStd):
+            stats = envs.get_attr(name)
+            for s, state in zip(stats, saved[name]):
+                s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), \
+                    state["count"]
+            saved[name] = list(stats)
+        envs.set_attr(name, list(saved[name]))
+    if now.keys() != saved.keys() or unsaved:
+        print(f"note: env wrapper state {sorted(now.keys() ^ saved.keys()) + unsaved} is not "
+              f"restored (it starts afresh): the checkpoint or these envs lack it; a wrapper "
+              f"keeps its state across resumes in an attribute named *_state", flush=True)
 
 
 def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
@@ -987,7 +1039,7 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
             dist.broadcast(t, src=0)
 
 
-def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs, carry: dict):
+def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs, carry: dict):
     """Rank 0: says where the run goes, writes a new run's checkpoint first (before any other
     file), and opens the TensorBoard writer (and wandb)."""
     shown = shown_path(run_dir)
@@ -995,7 +1047,7 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs
     say_device(args, next(agent.parameters()).device)
     os.makedirs(run_dir, exist_ok=True)
     if ckpt is None:
-        save_run(run_dir, agent, optimizer, envs, args, 0, 0, [], carry)
+        save_checkpoint(run_dir, agent, optimizer, envs, args, 0, 0, [], carry)
     if args.track:  # a continued run continues the same wandb run: its id is the folder's name
         import wandb
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
@@ -1009,23 +1061,25 @@ def open_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs
     return writer
 
 
-def plain(obj) -> bool:
+def checkpointable(obj) -> bool:
     """What a weights-only checkpoint loads: tensors, numbers, str, None, and lists, tuples and
     dicts of them."""
     if isinstance(obj, (list, tuple)):
-        return all(plain(v) for v in obj)
+        return all(checkpointable(v) for v in obj)
     if isinstance(obj, dict):
-        return all(isinstance(k, (str, int)) and plain(v) for k, v in obj.items())
+        return all(isinstance(k, (str, int)) and checkpointable(v) for k, v in obj.items())
     return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
 
 
-def save_run(run_dir: str, agent, optimizer, envs, args: Args, global_step: int, iteration: int,
-             recent, carry: dict):
-    for key in [k for k, v in carry.items() if not plain(v)][:1]:
+def save_checkpoint(run_dir: str, agent, optimizer, envs, args: Args, global_step: int,
+                    iteration: int, recent, carry: dict):
+    """checkpoint.pt: everything a resume continues (weights, Adam, args, counters, RNG, the
+    last 100 games' returns, env wrappers' statistics, the fork's carry), written atomically."""
+    for key in [k for k, v in carry.items() if not checkpointable(v)][:1]:
         fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
              f"keep a fork's state as tensors, numbers, str, None, or lists, tuples and dicts "
              f"of them")
-    save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), on_host({
+    write_atomically(os.path.join(run_dir, "checkpoint.pt"), on_host({
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
@@ -1035,7 +1089,7 @@ def save_run(run_dir: str, agent, optimizer, envs, args: Args, global_step: int,
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):
     """agent.pt: the latest weights and their arguments (finished: the run reached
     --total-timesteps)."""
-    save_checkpoint(os.path.join(run_dir, "agent.pt"), {
+    write_atomically(os.path.join(run_dir, "agent.pt"), {
         "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
         "global_step": global_step, "finished": finished})
 
@@ -1045,7 +1099,10 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: boo
     """Where the run is and, if it stopped early, the line that continues it (under torchrun,
     with as many processes: a checkpoint continues with the world that wrote it)."""
     shown, local = shown_path(run_dir), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    launcher = [sys.executable] if world_size == 1 else ["torchrun", *(
+    python = next((name for name in ("python", "python3") if shutil.which(name) and
+                   os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
+                  sys.executable)  # the same command: `python` when that is this interpreter
+    launcher = [python] if world_size == 1 else ["torchrun", *(
         ["--nnodes", str(world_size // local)] if world_size > local else []),
         "--nproc_per_node", str(local)]
     resume = shlex.join([*launcher, sys.argv[0], "--resume", shown])
@@ -1185,11 +1242,13 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
                                                          if video else ""), flush=True)
     writer = SummaryWriter(events)
     obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
-    scores = []
+    scores, memory = [], {"starts": torch.ones(1, device=device)}
     while len(scores) < args.eval_episodes:
         with torch.inference_mode():  # actions sampled from the policy, as in training
-            action = agent.get_action_and_value(torch.as_tensor(obs, device=device))[0]
-        obs, _, _, _, infos = envs.step(action.cpu().numpy())
+            action = act(agent, torch.as_tensor(obs, device=device), memory)
+        obs, _, terminated, truncated, infos = envs.step(action.cpu().numpy())
+        memory["starts"] = torch.as_tensor(terminated | truncated, dtype=torch.float32,
+                                           device=device)
         for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
@@ -1208,7 +1267,7 @@ def main(args: Args, explicit: set[str] | None = None):
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
-    stop, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
+    signals, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # choose_device may hide the GPUs
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
@@ -1229,7 +1288,7 @@ def main(args: Args, explicit: set[str] | None = None):
             return None
         if args.track and importlib.util.find_spec("wandb") is None:
             fail("--track needs wandb, which is not installed: pip install wandb")
-        return train(args, ckpt, device, stop, rank, world_size)
+        return train(args, ckpt, device, signals, rank, world_size)
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)

@@ -122,8 +122,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_checkpoint.py"),
     ("rank 0 decides the resume", "    if world_size == 1:\n        return resolve_run(",
      "    if True:\n        return resolve_run(", "test_distributed.py"),
-    ("async workers told apart from the trainer", "if trainer_pid not in (None, os.getpid()):",
-     "if trainer_pid is not None:", "test_backends.py"),
+    ("async workers run env_worker", "copy=False, worker=worker))", "copy=False))",
+     "test_backends.py"),
     ("parameters without a gradient skip the all-reduce",
      "grads = [p.grad for p in agent.parameters() if p.grad is not None]",
      "grads = [p.grad for p in agent.parameters()]", "test_distributed.py"),
@@ -135,7 +135,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "signal.signal(signal.SIGTERM, lambda *_: signal.alarm(60))", "test_backends.py"),
     ("cores of the allocation", "return len(os.sched_getaffinity(0)) if hasattr(",
      "return os.cpu_count() if hasattr(", "test_backends.py"),
-    ("agent.pt written atomically", 'save_checkpoint(os.path.join(run_dir, "agent.pt"), {',
+    ("agent.pt written atomically", 'write_atomically(os.path.join(run_dir, "agent.pt"), {',
      '(lambda p, s: torch.save(s, p))(os.path.join(run_dir, "agent.pt"), {',
      "test_checkpoint.py"),
     ("non-finite stop closes the writer", "            close(envs, writer)\n            fail(",
@@ -191,17 +191,17 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      'set(os.listdir(folder)) - {"checkpoint.pt.tmp"}', "os.listdir(folder)", INSTANT),
     ("agent.pt before the final checkpoint",  # swapped: agent.pt after the final checkpoint
      "save_agent(run_dir, agent, args, global_step, iteration == num_iterations)\n"
-     "                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, "
-     "recent,\n                         carry)\n",
+     "                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, "
+     "iteration,\n                                recent, carry)\n",
      "pass\n"
-     "                save_run(run_dir, agent, optimizer, envs, args, global_step, iteration, "
-     "recent,\n                         carry)\n                if last:\n"
+     "                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, "
+     "iteration,\n                                recent, carry)\n                if last:\n"
      "                    save_agent(run_dir, agent, args, global_step, iteration == "
      "num_iterations)\n", INSTANT),
     ("signals caught from the first instant",
-     "    stop, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else "
+     "    signals, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else "
      "([], {})\n",
-     "    stop, old_handlers = [], {}\n", INSTANT),
+     "    signals, old_handlers = [], {}\n", INSTANT),
     ("an ignored signal stays ignored",
      "                  if signal.getsignal(s) != signal.SIG_IGN}", "                  if True}",
      "test_preemption.py::test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it"),
@@ -209,9 +209,9 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})",
      "signal.pthread_sigmask(signal.SIG_BLOCK, set())", INSTANT),
     ("a crash after a mid-run signal keeps its traceback",
-     "        return train(args, ckpt, device, stop, rank, world_size)\n    finally:\n",
-     "        return train(args, ckpt, device, stop, rank, world_size)\n    except Exception:\n"
-     "        if not stop:\n            raise\n        raise SystemExit(128 + stop[0])\n"
+     "        return train(args, ckpt, device, signals, rank, world_size)\n    finally:\n",
+     "        return train(args, ckpt, device, signals, rank, world_size)\n    except Exception:\n"
+     "        if not signals:\n            raise\n        raise SystemExit(128 + signals[0])\n"
      "    finally:\n",
      "test_preemption.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback"),
     ("evaluation on another id of the agent's game",
@@ -252,6 +252,23 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("wrapper statistics are restored",
      '        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))\n',
      "        pass\n", STATISTICS),
+    # what reaches the loss, and this session's fixes of the GPU path
+    ("the bootstrap is the next observation's value", "        _, next_value = agent(next_obs)\n",
+     '        next_value = storage["values"][-1]\n',
+     "test_details.py::test_the_loss_receives_gae_of_the_rollout"),
+    ("rank 0 beats until every rank checked in",
+     'while rank == 0 and store.add(f"ppo_atari/in{generation}", 0) < world_size - 1:',
+     "while False:",
+     "test_distributed.py::test_a_rank_that_starts_late_joins_when_init_returns_at_once"),
+    ("--no-cuda hides the GPUs", '        os.environ["CUDA_VISIBLE_DEVICES"] = ""\n',
+     "        pass\n", "test_checkpoint.py::test_a_compiled_cpu_run_never_initializes_cuda"),
+    ("videos numbered on after a resume's earlier ones", "self.games = 1 + max(",
+     "self.games = 0 * max(",
+     "test_checkpoint.py::test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote"),
+    ("one exit hook per process, none per run",
+     "    atexit.unregister(kill_workers)  # once per process, however many runs it starts\n",
+     "    atexit.register(lambda: envs)\n",
+     "test_backends.py::test_sync_and_async_step_identically"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",

@@ -42,7 +42,7 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
              "recent_returns": [1.0]}
     expected = torch.rand(3)
     path = str(tmp_path / "checkpoint.pt")
-    P.save_checkpoint(path, state)
+    P.write_atomically(path, state)
     loaded = P.load_checkpoint(str(tmp_path))  # a folder stands for its checkpoint.pt
     assert loaded["global_step"] == 1234 and loaded["iteration"] == 7
     assert loaded["recent_returns"] == [1.0]
@@ -79,14 +79,14 @@ def test_cuda_rng_of_more_gpus_than_this_node_has_still_resumes(monkeypatch):
 
 def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
-    P.save_checkpoint(path, {"model": {"w": torch.ones(2)}, "args": {}, "iteration": 1})
+    P.write_atomically(path, {"model": {"w": torch.ones(2)}, "args": {}, "iteration": 1})
 
     def crash(src, dst):
         raise OSError("power cut")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        P.save_checkpoint(path, {"model": {"w": torch.zeros(2)}, "args": {}, "iteration": 2})
+        P.write_atomically(path, {"model": {"w": torch.zeros(2)}, "args": {}, "iteration": 2})
     monkeypatch.undo()
     assert os.path.exists(path + ".tmp")  # the new one was written but never renamed
     loaded = P.load_checkpoint(path)
@@ -294,6 +294,28 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert len(os.listdir(os.path.join(run, "eval"))) == 2
 
 
+def test_evaluation_chooses_its_actions_through_act(trained, monkeypatch):
+    """evaluate() plays the policy through the core's act(agent, obs, memory), so a recurrent
+    fork edits act above the fence: memory["starts"] is all ones at the first step, then 1.0
+    exactly where the previous step ended an episode (a lost life included)."""
+    need(what="act(agent, obs, memory), which evaluation calls", problem=None if hasattr(
+        P, "act") else "this copy has none")
+    cwd, run = trained
+    starts, real = [], P.act
+
+    def act(agent, obs, memory):
+        starts.append(memory["starts"].clone())
+        return real(agent, obs, memory)
+
+    monkeypatch.setattr(P, "act", act)
+    out = run_in_process(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes",
+                          "1", "--no-cuda"], cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    assert starts and torch.equal(starts[0], torch.ones(1)), starts[:1]
+    later = sum(float(s) for s in starts[1:])
+    assert later >= 4, f"Breakout's 5 lives: 4 or more episode starts after the first; {later}"
+
+
 def test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions(trained):
     """ALE/Breakout-v5 plays a BreakoutNoFrameskip-v4 agent with sticky actions 0.25 (Machado et
     al. 2018's protocol) and the same 4-frame skip, and its evaluation is logged apart."""
@@ -355,10 +377,10 @@ def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir,
 
 
 def test_agent_pt_is_written_atomically(workdir, monkeypatch):
-    """agent.pt goes through save_checkpoint (temporary file, fsync, rename), as checkpoint.pt
+    """agent.pt goes through write_atomically (temporary file, fsync, rename), as checkpoint.pt
     does: a crash while writing it leaves the previous agent.pt whole."""
-    written, real = [], P.save_checkpoint
-    monkeypatch.setattr(P, "save_checkpoint", lambda path, state: (written.append(
+    written, real = [], P.write_atomically
+    monkeypatch.setattr(P, "write_atomically", lambda path, state: (written.append(
         os.path.basename(path)), real(path, state)))
     P.main(tiny_args(total_timesteps=64))
     assert written.count("agent.pt") == 1 and "checkpoint.pt" in written
@@ -366,7 +388,8 @@ def test_agent_pt_is_written_atomically(workdir, monkeypatch):
 
 def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
     """A fork's own state (a penalty coefficient, a running statistic) lives in main's carry
-    dict, which the training loss receives: checkpoints save it and a resume restores it."""
+    dict, which the training loss and make_batch receive: checkpoints save it and a resume
+    restores it."""
     need("main")
     real = P.minibatch_loss
     need(what="minibatch_loss(agent, mb, clip_coef, args, carry)", problem=None if "carry" in
@@ -378,13 +401,24 @@ def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
         carry["running"] = torch.tensor(float(carry["calls"]))  # tensors are kept too
         return real(*a, **kw)
 
+    real_batch = P.make_batch
+
+    def estimating(*a, **kw):  # an estimator's running statistic, in the same carry
+        carry = bound(real_batch, a, kw)["carry"]
+        carry["batches"] = carry.get("batches", 0) + 1
+        return real_batch(*a, **kw)
+
     monkeypatch.setattr(P, "minibatch_loss", counting)
+    need(what="make_batch(agent, storage, next_obs, autocast, args, carry)", problem=None if
+         "carry" in inspect.signature(real_batch).parameters else "this copy's has no carry")
+    monkeypatch.setattr(P, "make_batch", estimating)
     P.main(tiny_args(total_timesteps=2 * 64, run_name="stateful"))
     run = str(workdir / "runs" / "stateful")
     assert P.load_checkpoint(run)["carry"]["calls"] == 2 * 4  # 2 epochs x 2 minibatches each
     P.main(tiny_args(total_timesteps=3 * 64, run_name="stateful"))  # continued
     carry = P.load_checkpoint(run)["carry"]
     assert carry["calls"] == 3 * 4, "the resume did not restore the fork's carried state"
+    assert carry["batches"] == 3, "make_batch's carry is not the one checkpoints keep"
     assert torch.equal(carry["running"], torch.tensor(12.0))
 
 
@@ -536,10 +570,10 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
     monkeypatch.setattr(agent, "state_dict", lambda: foreign(real_agent_state()))
     monkeypatch.setattr(opt, "state_dict", lambda: foreign(real_opt_state()))
     written = {}
-    monkeypatch.setattr(P, "save_checkpoint", lambda path, state: written.update({
+    monkeypatch.setattr(P, "write_atomically", lambda path, state: written.update({
         os.path.basename(path): state}))
     envs = gym.vector.SyncVectorEnv([Truncating])
-    P.save_run("run", agent, opt, envs, tiny_args(), 64, 1, [], {"buffer": torch.ones(
+    P.save_checkpoint("run", agent, opt, envs, tiny_args(), 64, 1, [], {"buffer": torch.ones(
         2).as_subclass(Foreign)})
     P.save_agent("run", agent, tiny_args(), 64, False)
     assert set(written) == {"checkpoint.pt", "agent.pt"}
@@ -580,6 +614,48 @@ def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
         "the resumed envs did not continue the checkpoint's running reward statistics"
     final = M.load_checkpoint("runs/norm")["env_statistics"]["return_rms"]
     assert all(f["count"] > s["count"] for f, s in zip(final, saved)), "the statistics restarted"
+
+
+COUNTING = """
+class Counting(gym.Wrapper):
+    \"\"\"A fork's own stateful wrapper: steps_state follows the convention, plain does not.\"\"\"
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.steps_state, self.plain = {"steps": 0}, 0.0
+
+    def step(self, action):
+        self.steps_state, self.plain = {"steps": self.steps_state["steps"] + 1}, self.plain + 1
+        return self.env.step(action)
+
+
+"""
+
+
+def test_a_forks_own_wrapper_keeps_its_state_by_the_convention_and_is_named_otherwise(
+        workdir, capsys):
+    """README's convention: a wrapper keeps what a resume continues in an attribute named
+    *_state, which checkpoints save per env and a resume sets back; state kept otherwise (plain
+    floats) is named in one line at the resume, since it starts afresh."""
+    line = "        env = ClipReward(env)\n"
+    need_text(line, "make_env's line `env = ClipReward(env)`, which the test wraps")
+    source = open(SCRIPT).read().replace(line, "        env = ClipReward(Counting(env))\n")
+    (workdir / "counting.py").write_text(source.replace("def make_env(", COUNTING + "def make_env("))
+    spec = importlib.util.spec_from_file_location("counting", workdir / "counting.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+    args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                total_timesteps=128, run_name="counting")
+    M.main(M.Args(**args, stop_at_step=64))
+    saved = M.load_checkpoint("runs/counting")["env_statistics"]
+    assert saved.get("steps_state") == [{"steps": 32}] * 2, saved
+    capsys.readouterr()
+    M.main(M.Args(**args))
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == 1 and "Counting.plain" in notes[0] and "steps_state" not in notes[0], \
+        notes
+    final = M.load_checkpoint("runs/counting")["env_statistics"]["steps_state"]
+    assert final == [{"steps": 64}] * 2, f"the resume did not continue the wrapper's state: {final}"
 
 
 def test_carry_refuses_what_a_checkpoint_cannot_hold_in_one_line(workdir, monkeypatch, capsys):

@@ -1,4 +1,5 @@
 """The command line: --help is clean, bad input fails with one line, exit 2, and nothing on disk."""
+import importlib.util
 import os
 import py_compile
 import shutil
@@ -41,6 +42,9 @@ BAD = {
     "game_name_only": (["--env-id", "breakout"], "did you mean BreakoutNoFrameskip-v4?"),
     "deterministic_id": (["--env-id", "PongDeterministic-v4"], "did you mean PongNoFrameskip-v4?"),
     "misspelt_v4": (["--env-id", "BrekoutNoFrameskip-v4"], "did you mean BreakoutNoFrameskip-v4?"),
+    "typo_keeps_the_game": (["--env-id", "PongNoFrameskp-v4"], "did you mean PongNoFrameskip-v4?"),
+    "typo_keeps_the_family": (["--env-id", "ALE/Breakuot-v5"], "did you mean ALE/Breakout-v5?"),
+    "game_keeps_the_family": (["--env-id", "ALE/Pong-v4"], "did you mean ALE/Pong-v5?"),
     "zero_threads": (["--threads", "0"], "--threads must be a positive integer"),
     "zero_stop": (["--stop-at-step", "0"], "--stop-at-step must be a positive integer"),
     "tiny_budget": (["--total-timesteps", "10"], "--total-timesteps 10 is less than one batch"),
@@ -81,9 +85,11 @@ def test_bad_input_from_the_shell_is_one_line_without_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("fork", sorted(f for f in os.listdir(FORKS) if f.endswith(".diff")))
-def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
+def test_each_example_fork_applies_trains_stops_resumes_and_evaluates(fork, tmp_path,
+                                                                     monkeypatch):
     """README's fork table links these diffs (`patch ppo_atari.py tests/forks/lstm.diff`): each
-    applies to the file as it is now, and the copy it makes compiles."""
+    applies to the file as it is now, and the copy it makes trains, stops at --stop-at-step,
+    continues with the same command to its end, and scores its agent in a full game."""
     if not is_repository_file():
         pytest.skip("the example forks are diffs of the repository's ppo_atari.py, not of a copy")
     shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
@@ -92,3 +98,28 @@ def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
     assert out.returncode == 0, f"{fork} no longer applies: {out.stderr}"
     assert open(tmp_path / "ppo_atari.py").read() != open(SCRIPT).read()
     py_compile.compile(str(tmp_path / "ppo_atari.py"), doraise=True)
+    spec = importlib.util.spec_from_file_location(fork[:-5], tmp_path / "ppo_atari.py")
+    F = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(F)
+    monkeypatch.chdir(tmp_path)
+    tiny = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                total_timesteps=128, run_name="fork")
+    F.main(F.Args(**tiny, stop_at_step=64))
+    assert F.load_checkpoint("runs/fork")["global_step"] == 64
+    F.main(F.Args(**tiny))  # the same command, continued
+    assert F.load_checkpoint("runs/fork")["global_step"] == 128
+    F.main(F.Args(eval_checkpoint="runs/fork/agent.pt", eval_episodes=1, cuda=False))
+    (events,) = os.listdir(tmp_path / "runs" / "fork" / "eval")
+    assert events.startswith("step128-"), events
+
+
+def test_the_continue_line_is_the_same_command(capsys, monkeypatch):
+    """A stopped run prints the line that continues it: `python ppo_atari.py ...` when that
+    `python` (on PATH) is this interpreter, as README promises; the full path when it is not."""
+    need("main")
+    monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
+    for on_path, expected in ((sys.executable, "python"), (None, sys.executable)):
+        monkeypatch.setattr(P.shutil, "which", lambda name: on_path if name == "python" else None)
+        P.say_how_to_continue("runs/x", P.Args(), 64, True, False, 1)
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.endswith(f"resume with: {expected} ppo_atari.py --resume runs/x"), line
