@@ -42,6 +42,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "details: the tests that pin a published detail (wrappers, "
                             "network and init, loss of record, GAE, optimizer, schedules), in "
                             "process: `python -m pytest tests -m details --script COPY`")
+    config.addinivalue_line("markers", "forks: the example forks of tests/forks/ trained, "
+                            "stopped, resumed and evaluated; run only when asked for: "
+                            "`python -m pytest tests -m forks`")
     # Ctrl-C as a terminal has it, whoever started pytest: an ignored SIGINT (pytest run as a
     # script's background job) would stay ignored in every trainer the tests start
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -55,6 +58,16 @@ def pytest_configure(config):
     module = importlib.util.module_from_spec(spec)
     sys.modules["ppo_atari"] = module
     spec.loader.exec_module(module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `forks` selection runs only when -m names it."""
+    if "forks" in (config.getoption("-m") or ""):
+        return
+    left_out = [item for item in items if "forks" in item.keywords]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if "forks" not in item.keywords]
 
 
 def is_repository_file() -> bool:
@@ -221,18 +234,21 @@ def free_port() -> int:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The end of the run: what could not be checked against this copy, and why."""
-    skipped = terminalreporter.stats.get("skipped", [])
+    """The end of the run: every skipped test, grouped by its reason (what could not be checked
+    against this copy, and why), and how many tests a selection left out."""
     reasons = {}
-    for report in skipped:
+    for report in terminalreporter.stats.get("skipped", []):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         reason = reason.removeprefix("Skipped: ")
-        if reason.startswith("needs "):
-            reasons.setdefault(reason, []).append(report.nodeid.split("::")[-1])
+        reasons.setdefault(reason, []).append(report.nodeid.split("::")[-1])
     if reasons:
-        terminalreporter.section("not checked against this copy (its seams changed)")
-        for reason, tests in reasons.items():
-            terminalreporter.write_line(f"{len(tests)} test(s) {reason}: {', '.join(tests)}")
+        terminalreporter.section("skipped, by reason")
+        for reason, tests in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+            terminalreporter.write_line(f"{len(tests)} skipped: {reason}: {', '.join(tests)}")
+    forks = [r for r in terminalreporter.stats.get("deselected", []) if "forks" in r.keywords]
+    if forks:
+        terminalreporter.write_line(f"{len(forks)} deselected: the example forks' runs "
+                                    f"(`python -m pytest tests -m forks` runs them)")
 
 
 class StandIn(gym.Wrapper):

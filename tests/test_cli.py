@@ -84,21 +84,35 @@ def test_bad_input_from_the_shell_is_one_line_without_a_traceback(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("fork", sorted(f for f in os.listdir(FORKS) if f.endswith(".diff")))
-def test_each_example_fork_applies_trains_stops_resumes_and_evaluates(fork, tmp_path,
-                                                                     monkeypatch):
-    """README's fork table links these diffs (`patch ppo_atari.py tests/forks/lstm.diff`): each
-    applies to the file as it is now, and the copy it makes trains, stops at --stop-at-step,
-    continues with the same command to its end, and scores its agent in a full game."""
+EXAMPLE_FORKS = sorted(f for f in os.listdir(FORKS) if f.endswith(".diff"))
+
+
+def applied(fork, folder):
+    """The repository's file with the example fork's diff applied, in folder."""
     if not is_repository_file():
         pytest.skip("the example forks are diffs of the repository's ppo_atari.py, not of a copy")
-    shutil.copy(SCRIPT, tmp_path / "ppo_atari.py")
-    out = subprocess.run(["git", "apply", "-p0", os.path.join(FORKS, fork)], cwd=tmp_path,
+    shutil.copy(SCRIPT, folder / "ppo_atari.py")
+    out = subprocess.run(["git", "apply", "-p0", os.path.join(FORKS, fork)], cwd=folder,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{fork} no longer applies: {out.stderr}"
-    assert open(tmp_path / "ppo_atari.py").read() != open(SCRIPT).read()
-    py_compile.compile(str(tmp_path / "ppo_atari.py"), doraise=True)
-    spec = importlib.util.spec_from_file_location(fork[:-5], tmp_path / "ppo_atari.py")
+    assert open(folder / "ppo_atari.py").read() != open(SCRIPT).read()
+    py_compile.compile(str(folder / "ppo_atari.py"), doraise=True)
+    return folder / "ppo_atari.py"
+
+
+@pytest.mark.parametrize("fork", EXAMPLE_FORKS)
+def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
+    """README's fork table links these diffs (`patch ppo_atari.py tests/forks/lstm.diff`): each
+    applies to the file as it is now, and the copy it makes compiles."""
+    applied(fork, tmp_path)
+
+
+@pytest.mark.forks
+@pytest.mark.parametrize("fork", EXAMPLE_FORKS)
+def test_each_example_fork_trains_stops_resumes_and_evaluates(fork, tmp_path, monkeypatch):
+    """The copy each example fork makes trains, stops at --stop-at-step, continues with the same
+    command to its end, and scores its agent in a full game (`pytest tests -m forks`)."""
+    spec = importlib.util.spec_from_file_location(fork[:-5], applied(fork, tmp_path))
     F = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(F)
     monkeypatch.chdir(tmp_path)

@@ -2,6 +2,7 @@
 run back after a worker is SIGKILLed; finished and foreign folders are left alone."""
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def listing(folder):
 def started(command, cwd):
     """A training launch (`python SCRIPT ARGS`), returned once its first iteration is done (its
     first progress line)."""
-    assert command[0] == sys.executable, command
+    python = shutil.which(command[0]) if command[0] in ("python", "python3") else command[0]
+    assert os.path.abspath(python) == os.path.abspath(sys.executable), command
     proc = launch(command[2:], cwd, script=command[1])
     proc.line_starting("step ")
     return proc
