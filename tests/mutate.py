@@ -177,7 +177,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("--target-kl on the mean over ranks", "                kl /= world_size\n", "",
      "test_distributed.py::test_target_kl_is_decided_on_the_mean_over_ranks"),
     ("a resume restores Adam's state", '        optimizer.load_state_dict(ckpt["optimizer"])',
-     "        pass", "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"),
+     "        pass", RESUME),
     ("a resume restores the RNG", '        set_rng_state(ckpt["rng"], device)', "        pass",
      "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"),
     ("each rank's envs seeded apart", "env_seed = args.seed + rank * args.num_envs + 7919",
@@ -261,7 +261,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "while False:",
      "test_distributed.py::test_a_rank_that_starts_late_joins_when_init_returns_at_once"),
     ("--no-cuda hides the GPUs", '        os.environ["CUDA_VISIBLE_DEVICES"] = ""\n',
-     "        pass\n", "test_checkpoint.py::test_a_compiled_cpu_run_never_initializes_cuda"),
+     "        pass\n", "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_"
+     "and_never_initializes_cuda"),
     ("videos numbered on after a resume's earlier ones", "self.games = 1 + max(",
      "self.games = 0 * max(",
      "test_checkpoint.py::test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote"),

@@ -160,8 +160,9 @@ def test_the_trunk_is_the_nature_cnn():
 
 def test_the_heads_read_the_trunks_features_directly():
     """NatureCNN of record: the actor and the critic each read the trunk's features, nothing in
-    between (their size is test_the_trunk_is_the_nature_cnn's); modules beside them (an auxiliary or intrinsic value head) are the fork's own.
-    Where the Agent's interface changed (a recurrent policy), its parameters tell instead."""
+    between (their size is test_the_trunk_is_the_nature_cnn's); modules beside them (an
+    auxiliary or intrinsic value head) are the fork's own. Where the Agent's interface changed
+    (a recurrent policy), its parameters tell instead."""
     need("Agent heads")
     agent = P.Agent(OBS, 6)
     if seam_problem("Agent.get_action_and_value"):

@@ -112,18 +112,6 @@ def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch
     assert avg[-1][1] > 8.0, f"did not learn: average return {avg[-1][1]:.2f} (chance 2.5)"
 
 
-def test_compile_and_bf16_train_and_save_plain_weights(tmp_path):
-    out = run_script([*TINY, "--total-timesteps", "128", "--compile", "--precision", "bf16"],
-                     cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
-    saved = P.load_checkpoint(os.path.join(run, "agent.pt"))["model"]
-    assert list(saved) == list(P.Agent(OBS, 4).state_dict())  # no torch.compile prefixes
-    assert all(t.dtype == torch.float32 for t in saved.values())  # autocast leaves fp32 weights
-    losses = scalars(run)["losses/value_loss"]
-    assert len(losses) == 2 and all(np.isfinite(v) for _, v in losses)
-
-
 def test_a_copy_with_another_frame_size_trains(tmp_path, monkeypatch):
     """The frame size is a one-place edit (GrayResize's size): storage, staging, batch and the
     network's flattened size all follow the observation space. 64x64 frames, or 72x72 when the
