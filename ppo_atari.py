@@ -267,8 +267,7 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
 def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game=False):
     """The vector env over the wrappers above. Same-step autoreset: a finished env is reset inside
     step() and its new first obs returned, so no reset transition enters a batch."""
-    use_async = choose_backend(args, args.cuda and torch.cuda.is_available(),
-                               int(os.environ.get("LOCAL_WORLD_SIZE", 1))) == "async"
+    use_async = choose_backend(args) == "async"  # auto: by the device and the cores
     thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
               for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
@@ -480,7 +479,7 @@ def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Ar
                 loss, metrics = loss_fn(agent, mb, clip_coef, args, carry)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if world_size > 1:
+            if world_size > 1:  # torchrun: every rank steps with the mean gradient (DDP's)
                 all_reduce_gradients(agent, world_size)
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -514,7 +513,7 @@ def summarize(agent, totals: dict, n_minibatches: int, batch: dict, games: list,
     stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
     stats["finite"] = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
     flat = torch.stack([v.float() for v in stats.values()])
-    if world_size > 1:
+    if world_size > 1:  # torchrun: the mean over ranks, and every rank's games for the logs
         dist.all_reduce(flat)
         flat /= world_size
         gathered = [None] * world_size
@@ -564,6 +563,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
     run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
         f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    # rank 0 alone records videos, logs and checkpoints (under torchrun)
     video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
     env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
     envs = make_envs(args, env_seed, video)
@@ -641,7 +641,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
         say_how_to_continue(run_dir, args, global_step, stopped,
                             at_stop and iteration < num_iterations, world_size)
     if stopped:
-        raise SystemExit(128 + (signals[0] if signals else signal.SIGTERM))
+        raise SystemExit(128 + (signals[0] if signals else signal.SIGTERM))  # 130, 143: as
+        # the signal's default action would exit, so a scheduler sees a preempted job
     return agent
 
 
@@ -793,11 +794,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def choose_backend(args: Args, use_cuda: bool, local_processes: int) -> str:
+def choose_backend(args: Args, use_cuda: bool | None = None,
+                   local_processes: int | None = None) -> str:
     """auto: a process per env (async) pays off only on CUDA with 4 or more cores per process;
-    on a CPU the envs and the network take turns on the same cores and sync is faster."""
+    on a CPU the envs and the network take turns on the same cores and sync is faster. None:
+    this machine's CUDA, and torchrun's local processes."""
     if args.env_backend != "auto":
         return args.env_backend
+    use_cuda = args.cuda and torch.cuda.is_available() if use_cuda is None else use_cuda
+    local_processes = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
