@@ -350,7 +350,7 @@ def instrumented(tmp_path_factory):
     import torch.nn as nn
     import ppo_atari as P
     seen = {"adam": [], "clip": [], "loss": [], "gae": [], "batch": [], "rollouts": [],
-            "optimizer": None, "agent": None}
+            "optimizer": None, "agent": None, "carry": {}}
 
     class Adam(torch.optim.Adam):
         def __init__(self, params, *a, **kw):
@@ -367,8 +367,9 @@ def instrumented(tmp_path_factory):
 
     def loss(*a, **kw):
         loss, metrics = real_loss(*a, **kw)
-        seen["loss"].append(_record_loss_call(bound(real_loss, a, kw), loss, metrics,
-                                              seen["optimizer"]))
+        call = bound(real_loss, a, kw)
+        seen["loss"].append(_record_loss_call(call, loss, metrics, seen["optimizer"]))
+        seen["carry"] = call.get("carry", {})  # the fork's state, as the loss last saw it
         return loss, metrics
 
     def gae(*a, **kw):
@@ -385,7 +386,7 @@ def instrumented(tmp_path_factory):
                    "rewards, values and dones (T, N)"}
         if isinstance(storage, dict) and {"rewards", "values", "dones"} <= set(storage) and \
                 not seam_problem("Agent.get_action_and_value"):
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the run's RNG as is
                 next_value = agent.get_action_and_value(next_obs)[3]
             rollout = {k: storage[k].detach().double().clone()
                        for k in ("rewards", "values", "dones")}

@@ -1,6 +1,7 @@
 """Small, fast checks that pin the implementation details of PPO one by one (the "37 details"
 of Huang et al. 2022): the loss's terms and weights, initialization, the optimizer and what the
 training loop feeds them. tests/mutate.py breaks each detail and checks that a test fails."""
+import copy
 import dataclasses
 import math
 
@@ -418,7 +419,8 @@ def test_the_loss_of_record_far_from_ratio_one(instrumented):
           "values": newvalue + torch.randn(n, generator=g) * 3,
           "returns": newvalue + torch.randn(n, generator=g) * 10}
     clip = 0.1
-    _, metrics = P.minibatch_loss(agent, mb, torch.tensor(clip), args, {})
+    carry = copy.deepcopy(instrumented["carry"])  # a stateful fork's coefficient, say
+    _, metrics = P.minibatch_loss(agent, mb, torch.tensor(clip), args, carry)
     ratio = torch.exp(newlogprob - mb["logprobs"])
     adv = mb["advantages"]
     adv = (adv - adv.mean()) / (adv.std() + 1e-8) if args.norm_adv else adv
