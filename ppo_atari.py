@@ -7,9 +7,8 @@ details of record (openai/baselines ppo2, CleanRL), resumable, and runnable unde
     torchrun --nproc_per_node 2 ppo_atari.py                             # several processes/GPUs
 
 Above THE FENCE, in CleanRL's order, the PPO a fork edits: Args, the Atari wrappers, the
-network, GAE and the loss, the phases of an iteration and train, the loop. Below it, what a fork
-leaves alone: argument checks, torchrun, checkpoints, run folders and resume, signals,
-evaluation, videos, main. Tested with Python 3.11-3.13, torch 2.13, gymnasium 1.4, ale-py 0.12.
+network, GAE and the loss, the phases of an iteration, the loop. Below it, the machinery a fork
+leaves alone. Tested with Python 3.11-3.13, torch 2.13 and 2.11, gymnasium 1.4, ale-py 0.12.
 """
 import atexit
 import collections
@@ -305,7 +304,7 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class Agent(nn.Module):
     """NatureCNN trunk (Mnih et al. 2015) shared by the policy and value heads. The file uses only
     forward(obs) -> (logits, value) and get_action_and_value: another feed-forward network is
-    another Agent. A recurrent one also changes rollout, make_batch, update and evaluate."""
+    another Agent. A recurrent one also changes rollout, make_batch, update and act."""
 
     def __init__(self, obs_shape: tuple, n_actions: int):
         super().__init__()
@@ -465,9 +464,8 @@ def check_sizes(args: Args):
 
 def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Args,
            world_size: int, carry: dict):
-    """update_epochs passes over the batch in shuffled minibatches. Returns each metric summed
-    over the minibatches (0-d device tensors: no host sync; grad_norm before clipping) and their
-    number."""
+    """update_epochs passes over the batch in shuffled minibatches; returns the metrics summed
+    over minibatches (0-d device tensors: no host sync; grad_norm before clipping), their count."""
     local_batch = batch["obs"].shape[0]
     minibatch_size = local_batch // args.num_minibatches
     totals, n_minibatches = {}, 0
@@ -505,9 +503,8 @@ def act(agent, obs, memory: dict):
 
 def summarize(agent, totals: dict, n_minibatches: int, batch: dict, games: list,
               world_size: int):
-    """The iteration's scalars, averaged over ranks, in one host sync: losses/<name> (the mean
-    over minibatches), the explained variance, and `finite` (1.0: all parameters are finite).
-    Returns them and every rank's games."""
+    """The iteration's scalars in one host sync, averaged over ranks: losses/<name> (mean over
+    minibatches), explained variance, `finite` (1.0: all parameters finite); every rank's games."""
     stats = {f"losses/{name}": total / n_minibatches for name, total in totals.items()}
     y_pred, y_true = batch["values"], batch["returns"]
     stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
@@ -524,8 +521,7 @@ def summarize(agent, totals: dict, n_minibatches: int, batch: dict, games: list,
 
 def log_iteration(writer, stats: dict, games: list, recent, global_step: int, total: int,
                   show: bool):
-    """Every finished game, the mean of the last 100, each charts/ and losses/ entry; with show,
-    a progress line."""
+    """Logs each finished game, the last 100's mean and the stats; show: prints a progress line."""
     for step_done, score, length in games:
         writer.add_scalar("charts/episodic_return", score, step_done)
         writer.add_scalar("charts/episodic_length", length, step_done)
@@ -549,9 +545,8 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
 def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, rank: int = 0,
           world_size: int = 1):
     """Rollout, advantages, update and logging, with a checkpoint every --checkpoint-interval,
-    until --total-timesteps (or --stop-at-step, or a Ctrl-C or SIGTERM, which main's handler
-    appends to `signals`). ckpt: the checkpoint to continue, or None. Returns the trained
-    agent."""
+    until --total-timesteps (or --stop-at-step, or a Ctrl-C or SIGTERM that main's handler
+    appended to `signals`). ckpt: the checkpoint to continue, or None. Returns the agent."""
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     # seeding: one block; each rank gets its own env seeds and action samples
     random.seed(args.seed + rank)
@@ -570,8 +565,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    # a fork's own state across iterations (tensors, numbers, str, None, and lists, tuples and
-    # dicts of them): first values here; checkpoints save it, a resume restores it on `device`
+    # a fork's state across iterations (first values here): checkpoints save it, resumes restore it
     carry = {}
     recent = collections.deque(maxlen=100)  # the returns of the last 100 finished games
     restore(ckpt, agent, optimizer, envs, carry, recent, device, rank, args.seed)
@@ -614,8 +608,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
         at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         last = iteration == num_iterations or stopped or at_stop
         now = time.time()
-        # SPS from the end of this process's first iteration (which reports its own): a start's
-        # warm-up does not read as a slowdown
+        # SPS from the end of this process's first iteration: a start's warm-up is no slowdown
         if clock is None:
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
         elif now > clock[1]:
@@ -673,10 +666,9 @@ def check_args(args: Args, world_size: int = 1):
             kind = "positive" if isinstance(value, float) else "a positive integer"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     check_sizes(args)
-    batch = args.num_envs * args.num_steps
-    if args.total_timesteps < batch * world_size:
+    if args.total_timesteps < (batch := args.num_envs * args.num_steps * world_size):
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
-             f"({batch * world_size} steps); raise it or shrink --num-envs/--num-steps")
+             f"({batch} steps); raise it or shrink --num-envs/--num-steps")
     check_env_id(args.env_id)
 
 
@@ -775,8 +767,8 @@ def start_workers(make_async):
 def env_worker(*args, **kwargs):
     """An async env's process: gymnasium's worker loop, ignoring Ctrl-C and SIGTERM (it ends
     when the trainer closes its pipe), with one OpenCV thread (a core per worker at most)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
     return gym.vector.async_vector_env._async_worker(*args, **kwargs)
 
@@ -796,9 +788,8 @@ def usable_cores() -> int:
 
 def choose_backend(args: Args, use_cuda: bool | None = None,
                    local_processes: int | None = None) -> str:
-    """auto: a process per env (async) pays off only on CUDA with 4 or more cores per process;
-    on a CPU the envs and the network take turns on the same cores and sync is faster. None:
-    this machine's CUDA, and torchrun's local processes."""
+    """auto: async only on CUDA with 4+ cores per process (on a CPU the envs and the network share
+    the cores: sync is faster). None: this machine's CUDA, torchrun's local processes."""
     if args.env_backend != "auto":
         return args.env_backend
     use_cuda = args.cuda and torch.cuda.is_available() if use_cuda is None else use_cuda
@@ -806,8 +797,8 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
-def choose_device(args: Args, local_rank: int, local_processes: int) -> torch.device:
-    """The one place the device and torch's CPU threads are chosen."""
+def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
+    """The one place the device and torch's CPU threads are chosen; say: print which, and why."""
     if not args.cuda and not torch.cuda.is_initialized():  # torch.compile's tracing saves the
         # CUDA RNG state whenever CUDA is available (initializing it): --no-cuda hides the GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -816,21 +807,17 @@ def choose_device(args: Args, local_rank: int, local_processes: int) -> torch.de
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
     if use_cuda:
         torch.cuda.set_device(device)
+    if say:
+        why = "" if use_cuda else " (--no-cuda)" if not args.cuda else " (CUDA is not available)"
+        print(f"device: {device}{why}", flush=True)
     return device
-
-
-def say_device(args: Args, device: torch.device):
-    why = "" if device.type == "cuda" else " (--no-cuda)" if not args.cuda else \
-        " (CUDA is not available)"
-    print(f"device: {device}{why}", flush=True)
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
     """init_process_group through torchrun's store, under a prefix per start of the workers (a
-    restarted worker would wait on the dead ones' addresses). Restarts are counted per node, so
-    rank 0 numbers the starts and beats; the others check in to the generation whose rank 0 is
-    alive. Rank 0 beats until every rank has checked in, whether or not its init blocked until
-    they arrived (gloo's does; NCCL's and lazy gloo's return at once). Waits: timeout_s."""
+    restarted worker would wait on the dead ones' addresses): rank 0 numbers the starts and beats
+    until every rank has checked in to its generation, whether or not init blocked until they
+    arrived (gloo's does; NCCL's and lazy gloo's return at once). Waits: timeout_s."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -892,10 +879,8 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
     folder may be the only one that holds the checkpoint (node-local disks)."""
     if world_size == 1:
         return resolve_run(args, explicit, world_size)
-    box = [None]
     try:
-        if rank == 0:
-            box = [resolve_run(args, explicit, world_size)]
+        box = [resolve_run(args, explicit, world_size) if rank == 0 else None]
     except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
         box = [e.code if isinstance(e, SystemExit) else 1]
         raise
@@ -908,18 +893,11 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
 
 def map_tensors(obj, fn):
     """obj (nested dicts, lists and tuples) with fn applied to every tensor in it."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def on_host(state):
-    """Files hold CPU tensors only: a plain torch.load works on a machine without the GPU."""
-    return map_tensors(state, lambda t: t.detach().cpu())
+    return fn(obj) if isinstance(obj, torch.Tensor) else obj
 
 
 def rng_state(device: torch.device) -> dict:
@@ -938,10 +916,10 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def write_atomically(path: str, state: dict):
-    """Atomic: a temporary file, flushed to disk, then renamed over the old one, so that a crash
-    at any point leaves either the old or the new file, both complete."""
+    """A temporary file, flushed to disk, renamed over the old one: a crash at any point leaves
+    the old or the new file, whole. CPU tensors only: torch.load works without the GPU."""
     with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
+        torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -976,16 +954,12 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
-EPISODIC_WRAPPERS = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward",
-                     "GrayResize", "VideoRecorder"}  # the file's own: their state is one game's
-
-
 def wrapper_statistics(envs) -> dict:
     """The env wrappers' state a checkpoint keeps, per env: gymnasium's running statistics
-    (NormalizeReward's return_rms, NormalizeObservation's obs_rms) and every attribute whose
-    name ends in _state (where a fork's own wrapper keeps what a resume continues). Under
-    "unsaved": numbers and arrays of other wrappers that changed since their env was made,
-    which a resume cannot restore."""
+    (NormalizeReward's return_rms, NormalizeObservation's obs_rms) and every attribute named
+    *_state (a fork's own wrapper's). "unsaved": other wrappers' numbers that changed since."""
+    own = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward", "GrayResize",
+           "VideoRecorder"}  # the file's own wrappers: their state is one game's
     fresh, names, unsaved = envs.env_fns[0](), {}, []
     layer = fresh
     while layer is not None:
@@ -993,7 +967,7 @@ def wrapper_statistics(envs) -> dict:
         for k, v in vars(layer).items():
             if isinstance(v, RunningMeanStd) or k.endswith("_state"):
                 names[k] = isinstance(v, RunningMeanStd)
-            elif kind.__name__ not in EPISODIC_WRAPPERS and not isinstance(v, bool) and \
+            elif kind.__name__ not in own and not isinstance(v, bool) and \
                     isinstance(v, (int, float, np.ndarray, torch.Tensor)) and \
                     kind.__module__.split(".")[0] not in ("gymnasium", "ale_py") and \
                     not np.array_equal(np.asarray(envs.get_attr(k)[0]), np.asarray(v)):
@@ -1009,19 +983,16 @@ def wrapper_statistics(envs) -> dict:
 def restore_wrapper_statistics(envs, saved: dict):
     """Sets the wrappers' state back to the checkpoint's (rank 0's envs', under torchrun), and
     says in one line what it cannot: state only one side has, or that was never saved."""
-    saved = dict(saved)
-    unsaved, now = saved.pop("unsaved", []), wrapper_statistics(envs)
-    now.pop("unsaved", None)
-    for name in now.keys() & saved.keys():
+    now, kept = wrapper_statistics(envs).keys() - {"unsaved"}, saved.keys() - {"unsaved"}
+    for name in now & kept:
+        states = saved[name]
         if isinstance(envs.get_attr(name)[0], RunningMeanStd):
-            stats = envs.get_attr(name)
-            for s, state in zip(stats, saved[name]):
-                s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), \
-                    state["count"]
-            saved[name] = list(stats)
-        envs.set_attr(name, list(saved[name]))
-    if now.keys() != saved.keys() or unsaved:
-        print(f"note: env wrapper state {sorted(now.keys() ^ saved.keys()) + unsaved} is not "
+            states = envs.get_attr(name)
+            for s, state in zip(states, saved[name]):
+                s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), state["count"]
+        envs.set_attr(name, list(states))
+    if lost := sorted(now ^ kept) + saved.get("unsaved", []):
+        print(f"note: env wrapper state {lost} is not "
               f"restored (it starts afresh): the checkpoint or these envs lack it; a wrapper "
               f"keeps its state across resumes in an attribute named *_state", flush=True)
 
@@ -1049,7 +1020,6 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
     file), and opens the TensorBoard writer (and wandb)."""
     shown = shown_path(run_dir)
     print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
-    say_device(args, next(agent.parameters()).device)
     os.makedirs(run_dir, exist_ok=True)
     if ckpt is None:
         save_checkpoint(run_dir, agent, optimizer, envs, args, 0, 0, [], carry)
@@ -1067,8 +1037,7 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
 
 
 def checkpointable(obj) -> bool:
-    """What a weights-only checkpoint loads: tensors, numbers, str, None, and lists, tuples and
-    dicts of them."""
+    """What a weights-only checkpoint loads: tensors, numbers, str, None, and containers of them."""
     if isinstance(obj, (list, tuple)):
         return all(checkpointable(v) for v in obj)
     if isinstance(obj, dict):
@@ -1082,20 +1051,18 @@ def save_checkpoint(run_dir: str, agent, optimizer, envs, args: Args, global_ste
     last 100 games' returns, env wrappers' statistics, the fork's carry), written atomically."""
     for key in [k for k, v in carry.items() if not checkpointable(v)][:1]:
         fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
-             f"keep a fork's state as tensors, numbers, str, None, or lists, tuples and dicts "
-             f"of them")
-    write_atomically(os.path.join(run_dir, "checkpoint.pt"), on_host({
+             f"keep it as tensors, numbers, str, None, or lists, tuples and dicts of them")
+    write_atomically(os.path.join(run_dir, "checkpoint.pt"), {
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "env_statistics": wrapper_statistics(envs), "carry": carry}))
+        "env_statistics": wrapper_statistics(envs), "carry": carry})
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):
-    """agent.pt: the latest weights and their arguments (finished: the run reached
-    --total-timesteps)."""
+    """agent.pt: the latest weights and their arguments (finished: reached --total-timesteps)."""
     write_atomically(os.path.join(run_dir, "agent.pt"), {
-        "model": on_host(agent.state_dict()), "args": dataclasses.asdict(args),
+        "model": agent.state_dict(), "args": dataclasses.asdict(args),
         "global_step": global_step, "finished": finished})
 
 
@@ -1125,9 +1092,7 @@ def close(envs, writer):
         writer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-        # free the group now if a reference cycle holds it: freed at interpreter exit, gloo's
-        # workers drop tensors with no GIL to take and the process aborts (exit code -6)
-        gc.collect()
+        gc.collect()  # a group a reference cycle frees at interpreter exit aborts gloo (exit -6)
 
 
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
@@ -1152,9 +1117,8 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
         return True
     lr_old, lr_new = ((1.0 - done / (total // batch)) * args.learning_rate
                       for total in (saved.total_timesteps, args.total_timesteps))
-    left = iterations - done
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-            f"({left} iteration{'s' if left > 1 else ''} left)")
+            f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")
     if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
         line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
                  f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over the "
@@ -1176,8 +1140,7 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
         if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
-        # only checkpoint.pt.tmp: a new run killed while writing its first checkpoint, started
-        # again (that file is rewritten); anything else is not a run of this script
+        # checkpoint.pt.tmp alone: a new run killed while writing its first checkpoint
         elif os.path.isdir(folder) and set(os.listdir(folder)) - {"checkpoint.pt.tmp"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
@@ -1223,13 +1186,10 @@ def shown_path(path: str) -> str:
 
 def evaluate(args: Args, device: torch.device, explicit: set[str]):
     """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
-    say_device(args, device)
     torch.manual_seed(args.seed)  # the actions sampled: the same command plays the same games
-    path = args.eval_checkpoint
-    state = load_checkpoint(path)
+    path, state = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
-    # another id of the same game plays the same ROM and action set: ALE/Game-v5 scores a
-    # NoFrameskip-v4 agent under sticky actions (Machado et al. 2018's protocol)
+    # another id of the same game (ROM, actions): ALE/Game-v5 adds sticky actions (Machado 2018)
     env_id = args.env_id if "env_id" in explicit else trained
     if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
         fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
@@ -1252,15 +1212,13 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
         with torch.inference_mode():  # actions sampled from the policy, as in training
             action = act(agent, torch.as_tensor(obs, device=device), memory)
         obs, _, terminated, truncated, infos = envs.step(action.cpu().numpy())
-        memory["starts"] = torch.as_tensor(terminated | truncated, dtype=torch.float32,
-                                           device=device)
+        memory["starts"] = torch.as_tensor(terminated | truncated, device=device).float()
         for score, length in finished_games(infos)[:args.eval_episodes - len(scores)]:
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
             print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
     writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
-    envs.close()
-    writer.close()
+    close(envs, writer)
     print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
           f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
 
@@ -1280,7 +1238,7 @@ def main(args: Args, explicit: set[str] | None = None):
             ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
         if args.resume is None and args.run_name is None:  # a resume is checked once merged
             check_args(args, world_size)
-        device = choose_device(args, local_rank, local_processes)
+        device = choose_device(args, local_rank, local_processes, say=rank == 0)
         if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
             return evaluate(args, device, explicit) if rank == 0 else None
         if world_size > 1:

@@ -575,9 +575,10 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
     real_agent_state, real_opt_state = agent.state_dict, opt.state_dict
     monkeypatch.setattr(agent, "state_dict", lambda: foreign(real_agent_state()))
     monkeypatch.setattr(opt, "state_dict", lambda: foreign(real_opt_state()))
-    written = {}
-    monkeypatch.setattr(P, "write_atomically", lambda path, state: written.update({
-        os.path.basename(path): state}))
+    written, saving = {}, torch.save  # what reaches torch.save, by file ("checkpoint.pt.tmp")
+    monkeypatch.setattr(torch, "save", lambda state, f: (
+        written.update({os.path.basename(f.name).removesuffix(".tmp"): state}), saving(state, f)))
+    os.makedirs("run")
     envs = gym.vector.SyncVectorEnv([Truncating])
     P.save_checkpoint("run", agent, opt, envs, tiny_args(), 64, 1, [], {"buffer": torch.ones(
         2).as_subclass(Foreign)})

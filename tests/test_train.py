@@ -9,7 +9,6 @@ import cv2
 import gymnasium as gym
 import numpy as np
 import pytest
-import torch
 
 import ppo_atari as P
 from conftest import (SCRIPT, TINY, StandIn, launch, need, obs_shape, run_dirs,
@@ -34,8 +33,9 @@ def test_file_alone_trains_and_logs_every_tag(tmp_path):
     assert "A.L.E" not in out.stderr, "the ALE banner is silenced"
     (run,) = run_dirs(tmp_path)
     shown = os.path.relpath(run, tmp_path)
-    first = out.stdout.splitlines()[0]  # where it writes, when it starts, in the final form
-    assert first == f"run folder: {shown}; watch it with: tensorboard --logdir {shown}"
+    first = out.stdout.splitlines()[:2]  # the device, then where it writes, as it starts
+    assert first == ["device: cpu (--no-cuda)",
+                     f"run folder: {shown}; watch it with: tensorboard --logdir {shown}"]
     assert out.stdout.splitlines()[-1] == f"run folder: {shown}"
     assert os.path.basename(run).startswith("BreakoutNoFrameskip-v4__ppo_atari__1__")
     logged = scalars(run)  # a fork may log more tags: the published ones must all be there
