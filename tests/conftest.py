@@ -9,6 +9,7 @@ first asks for the seams it needs with `need(...)`: where a copy changed a seam'
 test is skipped with one line saying what it needs and what the copy has, and the end of the run
 lists what could not be checked. Against the repository's own file a missing seam is a failure.
 """
+import dataclasses
 import functools
 import glob
 import importlib.util
@@ -26,9 +27,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "ppo_atari.py")  # replaced by --script in pytest_configure
 
-# A tiny but complete configuration: 2 envs x 32 steps, 2 minibatches, 2 epochs, on the CPU.
+# A tiny but complete configuration: 2 envs x 32 steps, 2 minibatches, 2 epochs, on the CPU,
+# one torch thread (see one_torch_thread)
 TINY = ["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "2",
-        "--no-cuda"]
+        "--no-cuda", "--threads", "1"]
 
 
 def pytest_addoption(parser):
@@ -48,6 +50,7 @@ def pytest_configure(config):
     # Ctrl-C as a terminal has it, whoever started pytest: an ignored SIGINT (pytest run as a
     # script's background job) would stay ignored in every trainer the tests start
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.option.loadscopereorder = False  # xdist: the order LONGEST_FIRST gives, not by count
     SCRIPT = os.path.abspath(config.getoption("--script") or os.environ.get("PPO_ATARI_SCRIPT")
                              or SCRIPT)
     if not os.path.isfile(SCRIPT):
@@ -60,8 +63,17 @@ def pytest_configure(config):
     spec.loader.exec_module(module)
 
 
+# the files that take longest, first: two workers given whole files (--dist loadfile) then end
+# together, the short files filling in at the end
+LONGEST_FIRST = ["test_preemption.py", "test_checkpoint.py", "test_distributed.py",
+                 "test_train.py", "test_backends.py"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """The `forks` selection runs only when -m names it."""
+    """The `forks` selection runs only when -m names it; under xdist, the longest files first."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its order is the schedule's
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest stay
     if "forks" in (config.getoption("-m") or ""):
         return
     left_out = [item for item in items if "forks" in item.keywords]
@@ -432,32 +444,14 @@ def gae_calls(instrumented) -> list:
     return instrumented["gae"]
 
 
-class Launched:
-    """A launch of the script in a process of its own (conftest.launch), with the parts of
-    subprocess.Popen the tests use; stdout and stderr go to files, read back as text."""
+class Launched(subprocess.Popen):
+    """A launch of the script (conftest.launch): subprocess.Popen with stdout and stderr in
+    files, read back as text by communicate() and line_starting()."""
 
-    def __init__(self, process, out, err):
-        self.process, self.pid, self.out, self.err = process, process.pid, out, err
-
-    @property
-    def returncode(self):
-        return self.process.exitcode
-
-    def poll(self):
-        return self.process.exitcode
-
-    def wait(self, timeout=None):
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired(self.out, timeout)
-        return self.process.exitcode
-
-    def send_signal(self, sig):
-        if self.process.exitcode is None:  # as Popen: an ended process is not signalled
-            os.kill(self.pid, sig)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
+    def __init__(self, command, out, err, **kwargs):
+        self.out, self.err = out, err
+        with open(out, "w") as o, open(err, "w") as e:
+            super().__init__(command, stdout=o, stderr=e, **kwargs)
 
     def communicate(self, timeout=None):
         try:
@@ -475,8 +469,7 @@ class Launched:
         deadline = time.time() + timeout
         while time.time() < deadline:
             ended = self.poll() is not None
-            text = open(self.out).read() if os.path.exists(self.out) else ""
-            for line in text.splitlines(keepends=True):
+            for line in open(self.out).read().splitlines(keepends=True):
                 if line.startswith(prefix) and line.endswith("\n"):
                     return line
             if ended:
@@ -486,47 +479,31 @@ class Launched:
 
 
 def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=False):
-    """`python SCRIPT ARGS` in cwd, in a process of its own, forked from a multiprocessing
-    forkserver that has imported torch and the rest once (tests/warm.py): each launch saves
-    the ~4 s (quiet) a fresh interpreter spends on imports. Tests whose point is the fresh
-    interpreter (`--help`, bad input from the shell) use subprocess instead."""
-    import multiprocessing
-    import multiprocessing.forkserver
+    """`python SCRIPT ARGS` in cwd, a fresh interpreter of its own (what a user's shell starts,
+    ~3.5 s of imports before the script's first line runs). new_session: its own process group
+    (a scheduler's job); sigint_ignored: started with Ctrl-C ignored (a script's `cmd &`)."""
     import tempfile
-    import warm
-    context = multiprocessing.get_context("forkserver")
-    if multiprocessing.forkserver._forkserver._forkserver_pid is None:
-        context.set_forkserver_preload(["warm"])
-        before = os.environ.get("PYTHONPATH")  # the forkserver imports warm by name
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [os.path.dirname(os.path.abspath(__file__)), *([before] if before else [])])
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.pop("PYTHONPATH") if before is None else os.environ.update(
-                PYTHONPATH=before)
     folder = tempfile.mkdtemp(prefix="launch-")
-    out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-    full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    process = context.Process(target=warm.run_as_main, args=(
-        os.path.abspath(script or SCRIPT), [str(a) for a in args], str(cwd), full_env, out, err,
-        new_session, sigint_ignored))
-    process.start()
-    LAUNCHED.append((process, folder))
-    return Launched(process, out, err)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = Launched([sys.executable, os.path.abspath(script or SCRIPT), *map(str, args)],
+                    os.path.join(folder, "stdout"), os.path.join(folder, "stderr"), cwd=cwd,
+                    env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
+                    start_new_session=new_session, preexec_fn=ignore)
+    LAUNCHED.append((proc, folder))
+    return proc
 
 
 LAUNCHED = []  # (process, the folder of its stdout and stderr files)
 
 
 def pytest_unconfigure(config):
-    """A launch a failed test left running is killed (at exit multiprocessing would wait), and
-    the launches' output files are removed."""
+    """A launch a failed test left running is killed, and the launches' output files are
+    removed."""
     import shutil
-    for process, folder in LAUNCHED:
-        if process.is_alive():
-            process.kill()
-            process.join()
+    for proc, folder in LAUNCHED:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -534,7 +511,7 @@ def run_script(args, cwd, script=None, timeout=300, env=None):
     """The script run to its end in a process of its own (launch); a CompletedProcess."""
     proc = launch(args, cwd, script, env)
     out, err = proc.communicate(timeout)
-    return subprocess.CompletedProcess(proc.process.name, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_in_process(args, cwd) -> subprocess.CompletedProcess:
@@ -579,6 +556,23 @@ def scalars(run_dir, raw=False):
                     value = float(tensor_util.make_ndarray(v.tensor).item())
                     out.setdefault(v.tag, []).append((event.step, value))
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The suite's two workers share two cores: a training in this process uses one torch thread
+    unless its Args name --threads (launches pass TINY's --threads 1), as each of torchrun's two
+    local processes would; test_backends.py checks the file's own choice (choose_device.real)."""
+    import ppo_atari as P
+    real = getattr(P, "choose_device", None)
+
+    def one_thread(args, *a, **kw):
+        return real(dataclasses.replace(args, threads=args.threads or 1), *a, **kw)
+    one_thread.real = real
+    with pytest.MonkeyPatch.context() as mp:
+        if real is not None:
+            mp.setattr(P, "choose_device", one_thread)
+        yield
 
 
 @pytest.fixture

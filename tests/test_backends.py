@@ -1,15 +1,18 @@
 """The environment: the in-file wrappers, in this process (sync) or a process per env (async)
 with the same numbers; async workers serve the trainer through signals and die with it."""
 import gc
+import importlib.util
 import os
 import signal
+import time
 import weakref
 
 import numpy as np
-import time
+import pytest
+import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, launch, need, need_text, run_dirs, run_script, scalars
+from conftest import SCRIPT, TINY, launch, need, need_text, run_dirs, scalars
 
 
 def test_sync_and_async_step_identically():
@@ -68,19 +71,40 @@ def test_auto_picks_async_only_on_cuda_with_4_cores_per_process(monkeypatch):
     assert P.choose_backend(P.Args(env_backend="async"), False, 1) == "async"  # asked for: kept
 
 
-def test_core_count_is_the_processs_allocation_not_the_machines(tmp_path):
+def test_core_count_is_the_processs_allocation_not_the_machines():
     """A SLURM or cgroup allocation (here: sched_setaffinity) gives the process fewer cores
-    than os.cpu_count() reports; auto and the thread split must see the allocation."""
-    (tmp_path / "cores.py").write_text(
-        "import os, sys; import ppo_atari as P; os.sched_setaffinity(0, {0}); "
-        "print(P.usable_cores(), os.cpu_count())")
-    out = run_script([], tmp_path, script=tmp_path / "cores.py",
-                     env={"PYTHONPATH": os.path.dirname(SCRIPT)})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == "1"
+    than os.cpu_count() reports; auto and the thread split must see the allocation. Linux's
+    affinity is per thread: a thread of this process given one core stands in for the process."""
+    import threading
+    seen = []
+
+    def on_one_core():
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        seen.append(P.usable_cores())
+    thread = threading.Thread(target=on_one_core)
+    thread.start()
+    thread.join()
+    assert seen == [1], f"usable_cores() on one allocated core of {os.cpu_count()}: {seen}"
 
 
-def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path):
+def test_torch_threads_are_the_allocation_split_over_torchruns_local_processes(monkeypatch):
+    """Without --threads, each process takes its share of the allocation's cores (two ranks on
+    8 cores: 4 threads each, so that they do not oversubscribe); --threads overrides it."""
+    choose = getattr(P.choose_device, "real", P.choose_device)  # not the suite's one thread
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # --no-cuda hides the GPUs
+    monkeypatch.setattr(P, "usable_cores", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        seen = []
+        for threads, local_processes in ((None, 2), (None, 1), (3, 2)):
+            choose(P.Args(cuda=False, threads=threads), 0, local_processes, say=False)
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [4, 8, 3], f"threads for (default, 2 ranks), (default, 1), (--threads 3): {seen}"
+
+
+def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path, monkeypatch):
     source = open(SCRIPT).read()
     original = "        return float(np.sign(reward))\n"
     need_text(original, "ClipReward's line `return float(np.sign(reward))`, which it edits")
@@ -90,10 +114,14 @@ def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path):
     need(what="ClipReward among make_env's wrappers (the wrapper this test edits)",
          problem=None if "ClipReward" in chain else f"this copy's make_env wraps {chain}")
     edited = source.replace(original, "        raise RuntimeError('edited ClipReward ran')\n")
-    (tmp_path / "ppo_atari.py").write_text(edited)
-    out = run_script([*TINY, "--total-timesteps", "64"], cwd=tmp_path,
-                     script=str(tmp_path / "ppo_atari.py"))
-    assert out.returncode != 0 and "edited ClipReward ran" in out.stderr
+    (tmp_path / "edited.py").write_text(edited)
+    spec = importlib.util.spec_from_file_location("edited", tmp_path / "edited.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="edited ClipReward ran"):  # a default run, in process
+        module.main(module.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=2,
+                                total_timesteps=64, cuda=False, threads=1))
 
 
 def test_async_workers_survive_sigterm_to_the_process_group(tmp_path):
