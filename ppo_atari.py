@@ -26,7 +26,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 # before torch loads OpenMP: idle threads sleep, so runs sharing cores do not starve each other
@@ -46,8 +45,7 @@ gym.register_envs(ale_py)
 ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every start; errors show
 
 
-# Fields a resume may change (neither the network, the game nor the optimisation done so far),
-# here because --resume's help lists them; LAUNCH_ONLY: this launch's own, never saved
+# What a resume may change (not the network, game or optimisation so far); LAUNCH_ONLY: unsaved
 LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
 RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
                                     "wandb_project_name", "wandb_entity", "capture_video",
@@ -56,7 +54,7 @@ RESUME_HELP = "a run folder or checkpoint to continue; it may change only " + ",
     f"--{name.replace('_', '-')}" for name in sorted(RESUME_OVERRIDABLE - {"resume"}))
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     """PPO on Atari (one file, CleanRL style). Each run writes TensorBoard logs, checkpoint.pt and
     agent.pt to runs/<run>/; the same command with --run-name continues a stopped run."""
@@ -495,9 +493,8 @@ def update(agent, optimizer, loss_fn, batch: dict, clip_coef, autocast, args: Ar
 
 
 def act(agent, obs, memory: dict):
-    """The action evaluate() plays for obs (B, C, H, W), sampled as in training. memory: the
-    evaluation's own dict, with "starts" (B,) (1.0 where obs begins a new episode) and whatever
-    a recurrent policy keeps between steps."""
+    """The action evaluate() plays for obs (B, C, H, W), sampled as in training. memory: its dict,
+    "starts" (B,) (1.0: obs begins an episode) and what a recurrent policy keeps between steps."""
     return agent.get_action_and_value(obs)[0]
 
 
@@ -582,7 +579,6 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
     batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
     num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, 0.0
-    stopped = at_stop = False
     for iteration in range(iteration + 1, num_iterations + 1):
         # anneal: learning rate (and optionally clip range) fall linearly to 0 over the run
         frac = 1.0 - (iteration - 1.0) / num_iterations
@@ -640,8 +636,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
 
 
 # ================================= THE FENCE =================================================
-# Below: the machinery a fork leaves alone. Argument checks; torchrun; checkpoint files; run
-# folders and resume; signals; evaluation; videos; main. Nothing here changes what PPO computes.
+# Below: the machinery a fork leaves alone (argument checks, torchrun, checkpoints, run folders,
+# resume, signals, evaluation, videos, main). Nothing here changes what PPO computes.
 
 def fail(message: str, code: int = 2):
     """Bad input: one line on stderr, no traceback, a non-zero exit."""
@@ -661,8 +657,7 @@ def check_args(args: Args, world_size: int = 1):
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
                  "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
                  "threads", "learning_rate", "clip_coef"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
+        if (value := getattr(args, name)) is not None and not value > 0:
             kind = "positive" if isinstance(value, float) else "a positive integer"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     check_sizes(args)
@@ -693,8 +688,7 @@ def check_env_id(env_id: str):
             "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
         fail(f"unknown --env-id {env_id!r}; {hint}")
     spec = gym.spec(env_id)
-    image = spec.kwargs.get("obs_type", "rgb") == "rgb"
-    if not str(spec.entry_point).startswith("ale_py") or not image:
+    if "ale_py" not in str(spec.entry_point) or spec.kwargs.get("obs_type", "rgb") != "rgb":
         fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
              f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
     if not wanted(env_id):
@@ -774,8 +768,7 @@ def env_worker(*args, **kwargs):
 
 
 def kill_workers():
-    """At exit (a trainer that crashed): multiprocessing's own exit hook would SIGTERM the
-    daemonic workers, which ignore it, then wait for them forever."""
+    """At exit: multiprocessing would SIGTERM the workers, which ignore it, and wait forever."""
     for p in multiprocessing.active_children():
         if p.daemon:
             p.kill()
@@ -816,8 +809,7 @@ def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
     """init_process_group through torchrun's store, under a prefix per start of the workers (a
     restarted worker would wait on the dead ones' addresses): rank 0 numbers the starts and beats
-    until every rank has checked in to its generation, whether or not init blocked until they
-    arrived (gloo's does; NCCL's and lazy gloo's return at once). Waits: timeout_s."""
+    until all ranks check in, whether init blocks or not (NCCL's does not). Waits: timeout_s."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -855,8 +847,7 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
 
 
 def any_rank_signalled(signals: list, world_size: int, device) -> bool:
-    """Whether this process or, under torchrun, any rank got a Ctrl-C or SIGTERM: all stop
-    together, at the same iteration."""
+    """Whether any rank (this one, without torchrun) got a Ctrl-C or SIGTERM: all stop together."""
     if world_size == 1:
         return bool(signals)
     flag = torch.tensor(float(bool(signals)), device=device)
@@ -901,8 +892,7 @@ def map_tensors(obj, fn):
 
 
 def rng_state(device: torch.device) -> dict:
-    """The generators the trainer draws from (action samples, minibatch order): torch's CPU RNG
-    and, on CUDA only, the training device's (a CPU run never initializes CUDA)."""
+    """torch's CPU RNG and, on CUDA only, the training device's (a CPU run never starts CUDA)."""
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
@@ -955,9 +945,8 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
 
 
 def wrapper_statistics(envs) -> dict:
-    """The env wrappers' state a checkpoint keeps, per env: gymnasium's running statistics
-    (NormalizeReward's return_rms, NormalizeObservation's obs_rms) and every attribute named
-    *_state (a fork's own wrapper's). "unsaved": other wrappers' numbers that changed since."""
+    """Per env, the wrappers' state a checkpoint keeps: gymnasium's running statistics (return_rms,
+    obs_rms), attributes named *_state (a fork's own); "unsaved": others' changed numbers."""
     own = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward", "GrayResize",
            "VideoRecorder"}  # the file's own wrappers: their state is one game's
     fresh, names, unsaved = envs.env_fns[0](), {}, []
@@ -992,9 +981,8 @@ def restore_wrapper_statistics(envs, saved: dict):
                 s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), state["count"]
         envs.set_attr(name, list(states))
     if lost := sorted(now ^ kept) + saved.get("unsaved", []):
-        print(f"note: env wrapper state {lost} is not "
-              f"restored (it starts afresh): the checkpoint or these envs lack it; a wrapper "
-              f"keeps its state across resumes in an attribute named *_state", flush=True)
+        print(f"note: env wrapper state {lost} is not restored (starts afresh): the checkpoint or "
+              f"these envs lack it; resumes keep a wrapper's *_state attributes", flush=True)
 
 
 def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
@@ -1130,9 +1118,8 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
 
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """A new run: (args, None). A run to continue (--resume, or a --run-name folder holding a
-    checkpoint): the checkpoint's arguments with this launch's overrides, and the checkpoint.
-    Nothing to train (complete, or past --stop-at-step): (None, None)."""
+    """A new run: (args, None); a run to continue (--resume, or --run-name with a checkpoint): its
+    args with this launch's overrides, and the checkpoint; nothing to train: (None, None)."""
     name = args.run_name
     if args.resume is None and name is not None:  # every run writes its checkpoint first
         folder = os.path.join("runs", name)
@@ -1163,9 +1150,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def catch_stop_signals() -> tuple[list, dict]:
-    """The first Ctrl-C or SIGTERM asks to stop at the end of the iteration (it is appended to
-    the returned list); a second Ctrl-C exits at once. A signal ignored at start stays ignored
-    (SIGINT in a script's `cmd &`). Returns (that list, the old handlers)."""
+    """First Ctrl-C or SIGTERM: appended to the returned list (stop at the iteration's end); second
+    Ctrl-C: exit at once; ignored at start (`cmd &`): stays so. Returns (list, old handlers)."""
     stop = []
 
     def on_signal(signum, frame):
