@@ -746,16 +746,16 @@ class VideoRecorder(gym.Wrapper):
 def start_workers(make_async):
     """make_async(env_worker) with the async workers born with Ctrl-C and SIGTERM blocked (the
     process group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is
-    unsafe. The resource tracker starts first, as starting it unblocks signals."""
+    unsafe. The resource tracker starts first, as starting it unblocks signals; the exit hook
+    before the workers, so that a failure while they start cannot hang the exit."""
+    atexit.unregister(kill_workers)  # once per process, however many runs it starts
+    atexit.register(kill_workers)
     multiprocessing.resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        envs = make_async(env_worker)
+        return make_async(env_worker)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    atexit.unregister(kill_workers)  # once per process, however many runs it starts
-    atexit.register(kill_workers)
-    return envs
 
 
 def env_worker(*args, **kwargs):

@@ -268,9 +268,19 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("videos numbered on after a resume's earlier ones", "self.games = 1 + max(",
      "self.games = 0 * max(",
      "test_checkpoint.py::test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote"),
+    ("the exit hook before the workers start",
+     "    atexit.register(kill_workers)\n    multiprocessing.resource_tracker.ensure_running()\n"
+     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})\n"
+     "    try:\n        return make_async(env_worker)\n",
+     "    multiprocessing.resource_tracker.ensure_running()\n"
+     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})\n"
+     "    try:\n        envs = make_async(env_worker)\n        atexit.register(kill_workers)\n"
+     "        return envs\n",
+     "test_backends.py::test_a_crashing_trainer_does_not_wait_for_its_async_workers"),
     ("one exit hook per process, none per run",
-     "    atexit.unregister(kill_workers)  # once per process, however many runs it starts\n",
-     "    atexit.register(lambda: envs)\n",
+     "        return make_async(env_worker)\n",
+     "        envs = make_async(env_worker)\n        atexit.register(envs.close)\n"
+     "        return envs\n",
      "test_backends.py::test_sync_and_async_step_identically"),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"

@@ -144,23 +144,45 @@ spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI
 P = importlib.util.module_from_spec(spec)
 sys.modules["ppo_atari"] = P
 spec.loader.exec_module(P)
-def step_wait(self, *a, **kw):  # any bug of the trainer's while the workers wait on it
+def crash(self, *a, **kw):  # any bug of the trainer's while the workers wait on it
     raise RuntimeError("bug in a fork")
-gym.vector.AsyncVectorEnv.step_wait = step_wait
+setattr(gym.vector.AsyncVectorEnv, os.environ["CRASH_IN"], crash)
 if __name__ == "__main__":  # spawned workers import this file as their main module
     P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
 """
 
 
 def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
-    """The workers outlive SIGTERM for the trainer's checkpoint; a trainer that crashes must
-    still exit at once instead of waiting out their 60 s."""
+    """The workers ignore SIGTERM (they outlive it for the trainer's checkpoint); a trainer that
+    crashes while they serve it must still exit at once instead of waiting out their 60 s."""
     need("main")
     (tmp_path / "crasher.py").write_text(CRASHER)
     proc = launch([*TINY, "--total-timesteps", "64", "--env-backend", "async"], tmp_path,
-                  script=tmp_path / "crasher.py")
+                  script=tmp_path / "crasher.py", env={"CRASH_IN": "step_wait"})
     _, err = proc.communicate(timeout=50)  # about 70 s when it waits for the workers
     assert proc.returncode == 1 and "bug in a fork" in err, err[-2000:]
+
+
+def test_a_ctrl_c_while_async_workers_start_does_not_hang_the_exit(tmp_path):
+    """A script of one's own that makes the async envs itself (Python's own Ctrl-C: a
+    KeyboardInterrupt) and gets a Ctrl-C while the workers start: the signal waits, blocked,
+    until the vector env exists, then interrupts. The exit must not hang: the hook that kills
+    the workers is in place before they start (multiprocessing's own would SIGTERM them, which
+    they ignore, and wait for them forever)."""
+    need("vector env")
+    (tmp_path / "starter.py").write_text(
+        "import os, signal, gymnasium as gym, ppo_atari as P\n"
+        "real = gym.vector.AsyncVectorEnv._check_spaces\n"
+        "def check_spaces(self):  # a Ctrl-C to the group while the workers start\n"
+        "    os.killpg(os.getpgid(0), signal.SIGINT)\n"
+        "    return real(self)\n"
+        "gym.vector.AsyncVectorEnv._check_spaces = check_spaces\n"
+        "if __name__ == '__main__':  # spawned workers import this file as their main module\n"
+        "    P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n")
+    proc = launch([], tmp_path, script=tmp_path / "starter.py", new_session=True,
+                  env={"PYTHONPATH": os.path.dirname(SCRIPT)})
+    _, err = proc.communicate(timeout=60)  # forever when the workers outlive the exit hook
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, (proc.returncode, err[-2000:])
 
 
 def signal_masks(pid):
