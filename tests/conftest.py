@@ -484,11 +484,12 @@ def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=F
     (a scheduler's job); sigint_ignored: started with Ctrl-C ignored (a script's `cmd &`)."""
     import tempfile
     folder = tempfile.mkdtemp(prefix="launch-")
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-    proc = Launched([sys.executable, os.path.abspath(script or SCRIPT), *map(str, args)],
-                    os.path.join(folder, "stdout"), os.path.join(folder, "stderr"), cwd=cwd,
-                    env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
-                    start_new_session=new_session, preexec_fn=ignore)
+    command = [sys.executable, os.path.abspath(script or SCRIPT), *map(str, args)]
+    if sigint_ignored:  # as a shell does for `cmd &` (no preexec_fn: unsafe with threads here)
+        command = ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    proc = Launched(command, os.path.join(folder, "stdout"), os.path.join(folder, "stderr"),
+                    cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
+                    start_new_session=new_session)
     LAUNCHED.append((proc, folder))
     return proc
 
