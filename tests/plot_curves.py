@@ -6,6 +6,7 @@ collected by pytest).
     python tests/plot_curves.py --csv tests/figures/breakout-10M-seed*.csv \\
         --out tests/figures/breakout-10m.png --until 10000000
     python tests/plot_curves.py --runs ../learn/runs --out tests/figures/pong-breakout-2m.png
+    python tests/plot_curves.py --scores runs/breakout-10M-seed1/eval --export tests/figures
 
 A curve is charts/avg_episodic_return (the mean of the last 100 finished games) against the
 agent step, read from each run folder's events (TensorBoard's view: events after a resumed
@@ -15,7 +16,7 @@ avg_return_last100, games (the games finished by then), training_seconds (the su
 iterations' rollout and update times so far: the run's compute time, without start-ups or the
 time it was stopped); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv;
-a suffix after the seed, as in breakout-10M-seed1-lost.csv, keeps the seed). The mean over
+a suffix after the seed, as in breakout-10M-seed1-unfinished-9.6M.csv, keeps the seed). The mean over
 seeds takes one run per seed: pass one file per seed.
 
 One panel per game: each curve, and the published points at the same budgets, each marked with
@@ -24,6 +25,11 @@ rl-zoo's PPO monitor files (DLR-RM/rl-trained-agents, the mean of the last 100 t
 one seed), both runs planned for 10M steps, as ours are; at 10M, the 3-seed means of CleanRL's
 ppo_atari.py and of baselines ppo2 (shared/REFERENCES.md). Prints our values at each budget and,
 with several seeds of a game, their mean and standard deviation.
+
+Scored games: --scores takes a run's eval/ folder (one sub-folder per --eval-checkpoint call,
+named after the id when it is not the training one: ALE-Breakout-v5-step...) and --export writes
+its games to {run}-scores.csv (evaluation, game, score); --csv reads such a file back and prints
+each evaluation's mean ± std over its games.
 """
 import argparse
 import csv
@@ -57,6 +63,7 @@ PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
 }
 RANDOM = {"Pong": -20.7, "Breakout": 1.7}  # Mnih et al. 2015
 COLUMNS = ["step", "avg_return_last100", "games", "training_seconds"]
+SCORE_COLUMNS = ["evaluation", "game", "score"]
 EVERY = 25  # iterations per CSV row
 
 
@@ -89,20 +96,47 @@ def export(run: str, folder: str) -> str:
     return path
 
 
-def from_csv(path: str) -> np.ndarray:
+def export_scores(eval_folder: str, folder: str) -> str:
+    """One row per scored game of every evaluation in a run's eval/ folder, in game order."""
+    rows = []
+    for evaluation in sorted(glob.glob(os.path.join(eval_folder, "*"))):
+        games = scalars(evaluation).get("eval/episodic_return", [])
+        rows += [(os.path.basename(evaluation), int(game), f"{score:.0f}")
+                 for game, score in games]
+    if not rows:
+        sys.exit(f"{eval_folder}: no scored games (expected a run's eval/ folder)")
+    run = os.path.basename(os.path.dirname(os.path.abspath(eval_folder)))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{run}-scores.csv")
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([SCORE_COLUMNS, *rows])
+    return path
+
+
+def read_csv(path: str):
+    """A curve (rows of numbers) or, for a scores file, {evaluation: [score, ...]}."""
     with open(path) as f:
         rows = list(csv.reader(f))
+    if rows[0] == SCORE_COLUMNS:
+        games = {}
+        for evaluation, _, score in rows[1:]:
+            games.setdefault(evaluation, []).append(float(score))
+        return games
     if rows[0][:2] != COLUMNS[:2]:
-        sys.exit(f"{path}: not a curve file (its header is {rows[0]}, expected {COLUMNS})")
+        sys.exit(f"{path}: not a curve or scores file (its header is {rows[0]}, expected "
+                 f"{COLUMNS} or {SCORE_COLUMNS})")
     return np.array([[float(x) for x in r] for r in rows[1:]]).reshape(-1, len(rows[0]))
 
 
 def at(curve: np.ndarray, budget: int):
     """The value at the last iteration at or before `budget` steps (exported CSV files keep
-    that row), if the curve gets that far."""
+    that row), if the curve gets that far: to the budget, or to the last whole iteration before
+    it (a run planned for 10M steps ends at 9,999,360 with 1,024 steps an iteration; every step
+    logged is a multiple of that batch)."""
     steps, values = curve[:, 0], curve[:, 1]
     before = steps <= budget
-    return values[before][-1] if before.any() and steps.max() >= budget else None
+    batch = np.gcd.reduce(steps.astype(np.int64)) if len(steps) else 0
+    return values[before][-1] if before.any() and steps.max() > budget - batch else None
 
 
 def game_of(name: str) -> str:
@@ -116,6 +150,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", help="a folder of run folders named {game}-...")
     parser.add_argument("--csv", nargs="*", default=[], help="curve files written by --export")
+    parser.add_argument("--scores", help="a run's eval/ folder: its scored games (--export)")
     parser.add_argument("--export", help="write one CSV file per run folder into this folder")
     parser.add_argument("--out", help="the figure to write (PNG)")
     parser.add_argument("--until", type=int, default=2_000_000, help="the x-axis's end")
@@ -126,12 +161,26 @@ def main():
         if a.export:
             print(f"wrote {export(run, a.export)}")
         curves[os.path.basename(run)] = from_run(run)
+    if a.scores:
+        if not a.export:
+            sys.exit("--scores writes a CSV file: give --export FOLDER too")
+        print(f"wrote {export_scores(a.scores, a.export)}")
+    scored = {}  # evaluation: scores
     for path in a.csv:
-        curves[os.path.basename(path)[:-len(".csv")]] = from_csv(path)
+        read = read_csv(path)
+        if isinstance(read, dict):
+            scored.update(read)
+        else:
+            curves[os.path.basename(path)[:-len(".csv")]] = read
     curves = {k: v for k, v in curves.items() if len(v)}
+    if scored:
+        print("| evaluation | games | mean ± std |\n|---|---|---|")
+        for evaluation, scores in scored.items():
+            print(f"| {evaluation} | {len(scores)} | {np.mean(scores):.2f} ± {np.std(scores):.2f} |")
     budgets = [b for b in BUDGETS if b <= a.until]
-    print("| game | run | last step | " + " | ".join(f"{b / 1e6:g}M" for b in budgets) + " |")
-    print("|---|---|---|" + "---|" * len(budgets))
+    if curves:
+        print("| game | run | last step | " + " | ".join(f"{b / 1e6:g}M" for b in budgets) +
+              " |\n|---|---|---|" + "---|" * len(budgets))
     cells = {}
     for name, rows in curves.items():
         cells[name] = [at(rows, b) for b in budgets]
@@ -139,7 +188,7 @@ def main():
             "-" if c is None else f"{c:.1f}" for c in cells[name]) + " |")
     for game in PUBLISHED:  # several seeds of one plan: mean and std where all reached a budget
         names = [n for n in cells if game_of(n) == game]
-        plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-lost: seed 1
+        plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-unfinished-9.6M: seed 1
         for plan in sorted(set(plan_of.values())):
             members = [n for n in names if plan_of[n] == plan]
             seeds = [m.group(1) for m in map(re.compile(r"seed(\d+)").search, members) if m]

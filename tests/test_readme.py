@@ -20,9 +20,14 @@ def blocks() -> list[str]:
     return [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", readme(), re.S)]
 
 
+def commands(starts: str) -> list[str]:
+    return [x.split("  #")[0].strip() for b in blocks() for x in b.splitlines()
+            if x.startswith(starts)]
+
+
 def command(starts: str) -> str:
-    (line,) = [x for b in blocks() for x in b.splitlines() if x.startswith(starts)]
-    return line.split("  #")[0].strip()
+    (line,) = commands(starts)
+    return line
 
 
 @pytest.fixture(autouse=True)
@@ -41,20 +46,61 @@ def test_the_forking_lines_run_as_written(tmp_path):
     assert "--env-id" in out.stdout and (tmp_path / "my-experiment" / "ppo_atari.py").exists()
 
 
+def printed_by_readme(tmp_path) -> list[str]:
+    """What README's plot_curves.py commands print, run as written on the committed files (each
+    figure drawn into the test's folder, never the checkout; without matplotlib, no figure)."""
+    printed = []
+    for line in commands("python tests/plot_curves.py"):
+        args = shlex.split(line)[1:]
+        if "--out" in args and importlib.util.find_spec("matplotlib") is None:
+            args = args[:args.index("--out")] + args[args.index("--out") + 2:]
+        elif "--out" in args:
+            args[args.index("--out") + 1] = str(tmp_path / args[args.index("--out") + 1])
+        out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, (line, out.stderr[-2000:])
+        printed.append(out.stdout)
+    return printed
+
+
+def rows(text: str, key: int = 0) -> dict[str, list[str]]:
+    """A markdown table's rows as {the key column's cell: the cells after it}, bold dropped."""
+    split = [[c.strip() for c in r.replace("**", "").split("|")[1:-1]]
+             for r in text.splitlines() if r.startswith("|")]
+    return {r[key]: r[key + 1:] for r in split}
+
+
 def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
-    """The command under "What to expect" prints the rows README's table shows."""
-    args = shlex.split(command("python tests/plot_curves.py"))[1:]
-    if importlib.util.find_spec("matplotlib") is None:  # the table without the figure
-        args = args[:args.index("--out")]
-    else:  # the figure goes to the test's folder, never the checkout
-        args[args.index("--out") + 1] = str(tmp_path / args[args.index("--out") + 1])
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    """Every figure of ours in README's Breakout table (each seed at 0.5M, 1M, 2M and 10M, their
+    mean, the 10M agent's scored games) is what README's commands print from tests/figures/."""
+    printed = printed_by_readme(tmp_path)
+    (curves,) = [p for p in printed if "| 10M |" in p]  # the table with every budget
+    (scores,) = [p for p in printed if "| evaluation |" in p]
     text = readme()
-    table = text[text.index("## What to expect"):text.index("## Forking")]
-    for seed, row in [("seed1-lost", "| 13.7 | 22.1 | 52.0 |"), ("seed2", "| 12.9 | 25.4 | 64.7 |"),
-                      ("seed3", "| 12.1 | 24.4 | 36.5 |"),
-                      ("mean", "| 12.9 ± 0.7 | 24.0 ± 1.4 | 51.0 ± 11.5 |")]:
-        assert row in out.stdout, (seed, out.stdout)
-        assert row in table.replace("**", ""), f"README's table lacks {seed}'s row {row}"
+    shown = rows(text[text.index("## What to expect"):text.index("Pong (NoFrameskip-v4)")])
+    runs = rows(curves, key=1)  # {run: [last step, value at 0.25M, ...]}, "run": the header
+    by_run = {run: dict(zip(runs["run"], cells)) for run, cells in runs.items()}
+    budgets = ["0.5M", "1M", "2M", "10M"]
+    for seed, label in [(1, "ours, seed 1 (one seed)"), (2, "ours, seed 2"),
+                        (3, "ours, seed 3")]:
+        ours = by_run[f"breakout-10M-seed{seed}"]
+        for budget, cell in zip(budgets, shown[label]):
+            if ours[budget] == "-":
+                assert not any(ch.isdigit() for ch in cell), (label, budget, cell)
+            else:
+                assert cell.split()[0] == ours[budget], \
+                    f"README's {label} at {budget}: {cell!r}; the curve file: {ours[budget]}"
+        if ours["10M"] != "-":  # and the step it was read at
+            assert ours["last step"] in shown[label][-1], (ours["last step"], shown[label])
+    mean = by_run["breakout-10M-seed*, mean ± std of 3"]
+    assert shown["ours, mean ± std of 3 seeds"][:3] == [mean[b] for b in budgets[:3]]
+    label = {"step": "ours, seed 1's agent at 10M scored in 30 full games",  # trained id
+             "ALE": "the same agent, 30 games on ALE/Breakout-v5 (sticky actions 0.25)"}
+    scored = {e: r for e, r in rows(scores).items() if e.startswith(("step9999360", "ALE-"))}
+    assert sorted(e[:3] for e in scored) == ["ALE", "ste"], scores
+    table = text[text.index("## What to expect"):text.index("Pong (NoFrameskip-v4)")]
+    for evaluation, (games, score) in scored.items():
+        name = label[evaluation[:3].replace("ste", "step")]
+        at_10m = [r.split("|")[5].strip() for r in table.splitlines()
+                  if r.startswith(f"| {name} |")]
+        assert games == "30" and score in at_10m, (name, games, score, at_10m)
