@@ -758,13 +758,22 @@ def start_workers(make_async):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def env_worker(*args, **kwargs):
+def env_worker(index, env_fn, *args, **kwargs):
     """An async env's process: gymnasium's worker loop, ignoring Ctrl-C and SIGTERM (it ends
-    when the trainer closes its pipe), with one OpenCV thread (a core per worker at most)."""
+    when the trainer closes its pipe), with one OpenCV thread (a core per worker at most). Its
+    env answers envs.call("layers_get") with its layer_state and "layers_set" with its own
+    entry of a list of states."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    return gym.vector.async_vector_env._async_worker(*args, **kwargs)
+
+    def make_env_with_state_access():
+        env = env_fn()
+        env.layers_get = lambda: layer_state(env)
+        env.layers_set = lambda states: set_layer_state(env, states[index])
+        return env
+    return gym.vector.async_vector_env._async_worker(index, make_env_with_state_access, *args,
+                                                     **kwargs)
 
 
 def kill_workers():
@@ -944,42 +953,118 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
-def wrapper_statistics(envs) -> dict:
-    """Per env, the wrappers' state a checkpoint keeps: gymnasium's running statistics (return_rms,
-    obs_rms), attributes named *_state (a fork's own); "unsaved": others' changed numbers."""
-    own = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward", "GrayResize",
-           "VideoRecorder"}  # the file's own wrappers: their state is one game's
-    fresh, names, unsaved = envs.env_fns[0](), {}, []
-    layer = fresh
-    while layer is not None:
-        kind = type(layer)
-        for k, v in vars(layer).items():
-            if isinstance(v, RunningMeanStd) or k.endswith("_state"):
-                names[k] = isinstance(v, RunningMeanStd)
-            elif kind.__name__ not in own and not isinstance(v, bool) and \
-                    isinstance(v, (int, float, np.ndarray, torch.Tensor)) and \
-                    kind.__module__.split(".")[0] not in ("gymnasium", "ale_py") and \
-                    not np.array_equal(np.asarray(envs.get_attr(k)[0]), np.asarray(v)):
-                unsaved.append(f"{kind.__name__}.{k}")
+def wrapper_layers(env):
+    """(name, layer) for each layer of one env, outermost first; a class's second layer in the
+    chain is Class#2, its third Class#3."""
+    seen, layer = collections.Counter(), env
+    while isinstance(layer, gym.Env):
+        seen[kind := type(layer).__name__] += 1
+        yield (kind if seen[kind] == 1 else f"{kind}#{seen[kind]}"), layer
         layer = getattr(layer, "env", None)
+
+
+def to_saved(value):
+    """numpy arrays and scalars (numbers, bools) as tensors a weights-only load accepts."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biuf":
+        return {"__numpy__": torch.from_numpy(np.array(value)),
+                "scalar": isinstance(value, np.generic)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(to_saved, value))
+    return {k: to_saved(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def from_saved(value):
+    """to_saved's inverse: numpy comes back as numpy, of the same dtype."""
+    if isinstance(value, dict) and "__numpy__" in value:
+        array = value["__numpy__"].numpy()
+        return array[()] if value["scalar"] else array
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(from_saved, value))
+    return {k: from_saved(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def layer_state(env) -> dict:
+    """One env's wrapper state, by layer ("Layer.attr"): "state", what a checkpoint keeps
+    (gymnasium's running statistics, attributes named *_state); "refused", *_state values a
+    checkpoint cannot hold (their type); "numbers", other wrappers' plain numbers, which a
+    resume cannot continue. Async workers run it in their process (env_worker)."""
+    own = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward", "GrayResize",
+           "VideoRecorder"}  # the file's own wrappers: their other state is one game's
+    out = {"state": {}, "refused": {}, "numbers": {}}
+    for name, layer in wrapper_layers(env):
+        for attr, value in vars(layer).items():
+            key = f"{name}.{attr}"
+            if callable(value):  # layers_get, layers_set (env_worker)
+                continue
+            if isinstance(value, RunningMeanStd):
+                out["state"][key] = {"mean": torch.as_tensor(value.mean),
+                                     "var": torch.as_tensor(value.var), "count": float(value.count)}
+            elif attr.endswith("_state"):
+                saved = to_saved(value)
+                out["state" if checkpointable(saved) else "refused"][key] = \
+                    saved if checkpointable(saved) else type(value).__name__
+            elif type(layer).__name__ not in own and not isinstance(value, bool) and \
+                    isinstance(value, (int, float, np.ndarray, torch.Tensor)) and \
+                    type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py"):
+                out["numbers"][key] = value
+    return out
+
+
+def set_layer_state(env, state: dict):
+    """Sets one env's layers' state back from layer_state's "state"."""
+    for name, layer in wrapper_layers(env):
+        for attr, value in list(vars(layer).items()):
+            if (saved := state.get(f"{name}.{attr}")) is None:
+                continue
+            if isinstance(value, RunningMeanStd):
+                value.mean, value.var = saved["mean"].numpy(), saved["var"].numpy()
+                value.count = saved["count"]
+            else:
+                setattr(layer, attr, from_saved(saved))
+
+
+def env_layer_states(envs) -> list[dict]:
+    """layer_state of every env of the vector env, in order."""
+    if hasattr(envs, "envs"):  # sync: the envs are here
+        return [layer_state(env) for env in envs.envs]
+    return list(envs.call("layers_get"))
+
+
+def wrapper_statistics(envs) -> dict:
+    """The wrappers' state a checkpoint keeps: {"Layer.attr": [each env's value, None where the
+    env lacks that layer]}; "unsaved": other wrappers' numbers that have changed. A *_state value
+    a checkpoint cannot hold stops the run here, in one line (the first checkpoint is written
+    before the first iteration)."""
+    states = env_layer_states(envs)
+    for i, env in enumerate(states):
+        for key, kind in list(env["refused"].items())[:1]:
+            envs.close()
+            fail(f"env {i}'s wrapper state {key} is a {kind}, which a checkpoint cannot hold: "
+                 f"keep *_state attributes as numpy arrays, tensors, numbers, str, None, or "
+                 f"lists, tuples and dicts of them")
+    fresh = envs.env_fns[0]()
+    unchanged = layer_state(fresh)["numbers"]
     fresh.close()
-    saved = {k: [{"mean": torch.as_tensor(s.mean), "var": torch.as_tensor(s.var),
-                  "count": float(s.count)} for s in envs.get_attr(k)] if rms else
-             list(envs.get_attr(k)) for k, rms in names.items()}
+    unsaved = [key.replace("#", "") for key, v in states[0]["numbers"].items()
+               if key not in unchanged or not np.array_equal(np.asarray(v),
+                                                             np.asarray(unchanged[key]))]
+    keys = dict.fromkeys(key for env in states for key in env["state"])
+    saved = {key: [env["state"].get(key) for env in states] for key in keys}
     return saved | ({"unsaved": unsaved} if unsaved else {})
 
 
 def restore_wrapper_statistics(envs, saved: dict):
-    """Sets the wrappers' state back to the checkpoint's (rank 0's envs', under torchrun), and
-    says in one line what it cannot: state only one side has, or that was never saved."""
-    now, kept = wrapper_statistics(envs).keys() - {"unsaved"}, saved.keys() - {"unsaved"}
-    for name in now & kept:
-        states = saved[name]
-        if isinstance(envs.get_attr(name)[0], RunningMeanStd):
-            states = envs.get_attr(name)
-            for s, state in zip(states, saved[name]):
-                s.mean, s.var, s.count = state["mean"].numpy(), state["var"].numpy(), state["count"]
-        envs.set_attr(name, list(states))
+    """Sets each env's wrapper state back to the checkpoint's, and says in one line what it
+    cannot: state only one side has, or that was never saved."""
+    now = {key for env in env_layer_states(envs) for key in env["state"]}
+    kept = saved.keys() - {"unsaved"}
+    states = [{key: saved[key][i] for key in now & kept if i < len(saved[key])}
+              for i in range(envs.num_envs)]
+    if hasattr(envs, "envs"):  # sync: the envs are here
+        for env, state in zip(envs.envs, states):
+            set_layer_state(env, state)
+    else:  # each worker takes its own env's
+        envs.call("layers_set", states)
     if lost := sorted(now ^ kept) + saved.get("unsaved", []):
         print(f"note: env wrapper state {lost} is not restored (starts afresh): the checkpoint or "
               f"these envs lack it; resumes keep a wrapper's *_state attributes", flush=True)

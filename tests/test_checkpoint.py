@@ -590,6 +590,12 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
         assert kinds and set(kinds) == {"Tensor"}, f"{name} holds tensors left on the device"
 
 
+def by_attribute(saved: dict, attr: str) -> list:
+    """The checkpoint's per-env values of the one wrapper layer that has `attr` ("Layer.attr")."""
+    (key,) = [k for k in saved if k.endswith(f".{attr}")]
+    return saved[key]
+
+
 def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
     """A fork that swaps ClipReward for gymnasium's NormalizeReward (one line:
     tests/forks/normalize.diff) learns from rewards scaled by running statistics kept in the
@@ -607,7 +613,7 @@ def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
     args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
                 total_timesteps=192, run_name="norm")
     M.main(M.Args(**args, stop_at_step=64))
-    saved = M.load_checkpoint("runs/norm")["env_statistics"]["return_rms"]
+    saved = by_attribute(M.load_checkpoint("runs/norm")["env_statistics"], "return_rms")
     assert len(saved) == 2 and all(s["count"] > 30 for s in saved), saved
     restored, real = [], M.restore_wrapper_statistics
 
@@ -619,7 +625,7 @@ def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
     M.main(M.Args(**args))
     assert restored == [(float(s["mean"]), float(s["var"]), s["count"]) for s in saved], \
         "the resumed envs did not continue the checkpoint's running reward statistics"
-    final = M.load_checkpoint("runs/norm")["env_statistics"]["return_rms"]
+    final = by_attribute(M.load_checkpoint("runs/norm")["env_statistics"], "return_rms")
     assert all(f["count"] > s["count"] for f, s in zip(final, saved)), "the statistics restarted"
 
 
@@ -656,13 +662,13 @@ def test_a_forks_own_wrapper_keeps_its_state_by_the_convention_and_is_named_othe
                 total_timesteps=128, run_name="counting")
     M.main(M.Args(**args, stop_at_step=64))
     saved = M.load_checkpoint("runs/counting")["env_statistics"]
-    assert saved.get("steps_state") == [{"steps": 32}] * 2, saved
+    assert saved.get("Counting.steps_state") == [{"steps": 32}] * 2, saved
     capsys.readouterr()
     M.main(M.Args(**args))
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
     assert len(notes) == 1 and "Counting.plain" in notes[0] and "steps_state" not in notes[0], \
         notes
-    final = M.load_checkpoint("runs/counting")["env_statistics"]["steps_state"]
+    final = M.load_checkpoint("runs/counting")["env_statistics"]["Counting.steps_state"]
     assert final == [{"steps": 64}] * 2, f"the resume did not continue the wrapper's state: {final}"
 
 
