@@ -1139,18 +1139,40 @@ def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool
         "global_step": global_step, "finished": finished})
 
 
+def torchrun_options(script: str) -> list[str] | None:
+    """torchrun's own options as its agent, this process's parent, was started (--standalone,
+    the rendezvous ones); None where the parent is not torchrun or cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return None
+    for i, token in enumerate(argv):
+        if token.endswith(("torchrun", "torch.distributed.run")):
+            rest = argv[i + 1:]
+            ends = [j for j, t in enumerate(rest) if os.path.basename(t) == os.path.basename(script)]
+            return rest[:ends[0]] if ends else None
+    return None
+
+
 def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: bool,
                         stopped_early: bool, world_size: int):
-    """Where the run is and, if it stopped early, the line that continues it (under torchrun,
-    with as many processes: a checkpoint continues with the world that wrote it)."""
+    """Where the run is and, if it stopped early, the line that continues it here: the same
+    launcher and its options (under torchrun as many processes: a checkpoint continues with the
+    world that wrote it), and the launch-only options this launch was given (not saved)."""
     shown, local = shown_path(run_dir), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
                   sys.executable)  # the same command: `python` when that is this interpreter
-    launcher = [python] if world_size == 1 else ["torchrun", *(
-        ["--nnodes", str(world_size // local)] if world_size > local else []),
-        "--nproc_per_node", str(local)]
-    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown])
+    launched = torchrun_options(sys.argv[0]) if world_size > 1 else None
+    launcher = [python] if world_size == 1 else ["torchrun", *launched] if launched is not None \
+        else ["torchrun", *(["--nnodes", str(world_size // local)] if world_size > local else []),
+              "--nproc_per_node", str(local)]
+    again = (["--no-cuda"] if not args.cuda else []) + (
+        ["--threads", str(args.threads)] if args.threads else []) + (
+        ["--stop-at-step", str(args.stop_at_step)] if args.stop_at_step and not stopped_early
+        else [])  # a stop by signal goes on to the planned stop
+    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown, *again])
     print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
     if stopped:
         print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
@@ -1184,7 +1206,8 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
               f"--total-timesteps", flush=True)
         return True
     if args.stop_at_step and step >= args.stop_at_step:
-        print(f"{where} has run {step:,} steps, already past --stop-at-step "
+        print(f"{where} has run {step:,} steps, "
+              f"{'already at' if step == args.stop_at_step else 'already past'} --stop-at-step "
               f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
               f"continue to {args.total_timesteps:,}", flush=True)
         return True

@@ -369,6 +369,9 @@ def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir,
     # the same command again: already past the stop, nothing written
     P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))
     assert "already past --stop-at-step 100; nothing written" in capsys.readouterr().out
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=128))  # exactly there
+    assert "has run 128 steps, already at --stop-at-step 128; nothing written" in \
+        capsys.readouterr().out
     assert P.load_checkpoint(run)["global_step"] == 128
     # without it: on to the full plan, along the same schedule
     P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))

@@ -5,6 +5,7 @@ import py_compile
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import tyro
@@ -137,3 +138,37 @@ def test_the_continue_line_is_the_same_command(capsys, monkeypatch):
         P.say_how_to_continue("runs/x", P.Args(), 64, True, False, 1)
         line = capsys.readouterr().out.splitlines()[-1]
         assert line.endswith(f"resume with: {expected} ppo_atari.py --resume runs/x"), line
+
+
+def test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own(capsys, monkeypatch,
+                                                                         tmp_path):
+    """--no-cuda, --threads and a planned --stop-at-step are not saved in the checkpoint, so the
+    line repeats them (a CPU run on a GPU machine resumes on the CPU); under torchrun the line
+    keeps the agent's own options as it was started (--standalone, rendezvous), read from the
+    parent process: here a stand-in parent named torchrun, started with them, that sleeps."""
+    need("main")
+    monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
+    monkeypatch.setattr(P.shutil, "which", lambda name: sys.executable)
+    args = P.Args(cuda=False, threads=3, stop_at_step=5000)
+    P.say_how_to_continue("runs/x", args, 64, True, False, 1)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith("resume with: python ppo_atari.py --resume runs/x --no-cuda --threads 3 "
+                         "--stop-at-step 5000"), line
+    P.say_how_to_continue("runs/x", args, 5120, False, True, 1)  # the stop reached: dropped
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith("python ppo_atari.py --resume runs/x --no-cuda --threads 3"), line
+    (tmp_path / "torchrun").write_text("import time\ntime.sleep(60)\n")
+    agent = subprocess.Popen([sys.executable, str(tmp_path / "torchrun"), "--standalone",
+                              "--nproc_per_node", "2", "--rdzv-id", "job 7", "ppo_atari.py",
+                              "--run-name", "x"])
+    try:
+        monkeypatch.setattr(P.os, "getppid", lambda: agent.pid)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        time.sleep(0.5)  # its command line is readable once it has started
+        P.say_how_to_continue("runs/x", P.Args(), 64, True, False, 2)
+    finally:
+        agent.kill()
+        agent.wait()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith("resume with: torchrun --standalone --nproc_per_node 2 --rdzv-id "
+                         "'job 7' ppo_atari.py --resume runs/x"), line

@@ -178,11 +178,14 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert all(torch.equal(ckpt["model"][k], r0[k]) for k in r0)  # rank 0 saved its own
     line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
     command = shlex.split(line.split(" with: ", 1)[1])
-    assert command[:3] == ["torchrun", "--nproc_per_node", "2"], line
-    assert command[3].endswith("harness.py") and command[4] == "--resume", line
+    at = next(i for i, token in enumerate(command) if token.endswith("harness.py"))
+    assert command[:at] == ["torchrun", "--nproc_per_node", "2", "--master_port",
+                            command[4]], line  # torchrun's options as it was started
+    assert command[at + 1] == "--resume" and "--no-cuda" in command[at:], line
 
     for backend in ("async", "sync"):  # the rest of the run, then nothing left to train
-        out = torchrun(tmp_path, *command[4:], "--env-backend", backend, env={"FREEZE": "1"})
+        out = torchrun(tmp_path, *command[at + 1:], "--env-backend", backend,
+                       env={"FREEZE": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
         assert [(tmp_path / f"group{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2, \
             "a rank returned with its process group still initialized"

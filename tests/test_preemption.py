@@ -43,6 +43,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     (resume,) = [x.split("resume with: ", 1)[1] for x in out.splitlines() if "resume with: " in x]
+    assert resume.endswith("--no-cuda --threads 1"), resume  # run below as printed
     first = P.load_checkpoint(run)["global_step"]
     assert ITER <= first < total
     assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False  # the latest
