@@ -746,16 +746,29 @@ class VideoRecorder(gym.Wrapper):
 def start_workers(make_async):
     """make_async(env_worker) with the async workers born with Ctrl-C and SIGTERM blocked (the
     process group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is
-    unsafe. The resource tracker starts first, as starting it unblocks signals; the exit hook
-    before the workers, so that a failure while they start cannot hang the exit."""
+    unsafe. The resource tracker starts first, as starting it unblocks signals, with its stderr
+    on /dev/null (after a SIGKILL of the trainer it frees what the run held, without a
+    warning); the exit hook before the workers, so that a failure while they start cannot hang
+    the exit. Meanwhile a thread that does not block the signals receives them, so that the
+    handler still sees each Ctrl-C (a second one exits at once)."""
     atexit.unregister(kill_workers)  # once per process, however many runs it starts
     atexit.register(kill_workers)
-    multiprocessing.resource_tracker.ensure_running()
+    stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(devnull)
+    started = threading.Event()
+    threading.Thread(target=started.wait, daemon=True).start()  # before the mask: unblocked
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return make_async(env_worker)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        started.set()
 
 
 def env_worker(index, env_fn, *args, **kwargs):
@@ -772,8 +785,11 @@ def env_worker(index, env_fn, *args, **kwargs):
         env.layers_get = lambda: layer_state(env)
         env.layers_set = lambda states: set_layer_state(env, states[index])
         return env
-    return gym.vector.async_vector_env._async_worker(index, make_env_with_state_access, *args,
-                                                     **kwargs)
+    try:
+        return gym.vector.async_vector_env._async_worker(index, make_env_with_state_access,
+                                                         *args, **kwargs)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone (killed,
+        os._exit(0)  # or a second Ctrl-C): nothing to report to; no traceback
 
 
 def kill_workers():
@@ -1265,6 +1281,7 @@ def catch_stop_signals() -> tuple[list, dict]:
     def on_signal(signum, frame):
         if stop and signum == signal.SIGINT:
             print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
+            kill_workers()  # before they find the trainer gone
             os._exit(130)
         stop.append(signum)
 

@@ -225,3 +225,47 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
     alive = [p for p in pids if os.path.exists(f"/proc/{p}")
              and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, "workers outlived their trainer"
+    time.sleep(2)  # the resource tracker's turn, once every holder of its pipe is gone
+    err = trainer.communicate()[1]  # the workers and the tracker write to the trainer's stderr
+    assert "Traceback" not in err and "leaked" not in err, err[-3000:]
+
+
+def left_in_session(sid, within=30.0) -> list[int]:
+    """The processes of session `sid` (a launch with new_session: the trainer, its workers, the
+    resource tracker) still alive, not zombies, after waiting up to `within` seconds."""
+    deadline = time.time() + within
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(int(pid))
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("when", ["training", "workers starting"])
+def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_path, when):
+    """Two Ctrl-Cs to the process group (a terminal's), async workers: exit 130 with the one
+    line that says so, no worker traceback, no leaked-resource warning, every process of the
+    run gone. While the workers start (their signals blocked), the second still exits before
+    any iteration (it used to become a stop after the first)."""
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
+                   "--run-name", "twice"], tmp_path, new_session=True)
+    assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
+        proc.communicate()[1][-2000:]
+    for _ in range(2):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+    out, _ = proc.communicate(timeout=30)
+    assert not left_in_session(proc.pid), "processes of the run outlived it"
+    err = open(proc.err).read()  # the workers' and the tracker's stderr too, now all are gone
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert err.strip().splitlines() == ["second Ctrl-C: exiting now without a checkpoint"], \
+        err[-3000:]
+    if when == "workers starting":
+        assert "step " not in out, "an iteration ran between the two Ctrl-Cs"
