@@ -508,6 +508,25 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def left_in_session(sid, within=30.0) -> list[int]:
+    """The processes of session `sid` (a launch with new_session: the trainer, its workers, the
+    resource tracker) still alive, not zombies, after waiting up to `within` seconds."""
+    import time
+    deadline = time.time() + within
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(int(pid))
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 def run_script(args, cwd, script=None, timeout=300, env=None):
     """The script run to its end in a process of its own (launch); a CompletedProcess."""
     proc = launch(args, cwd, script, env)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, launch, need, need_text, run_dirs, scalars
+from conftest import SCRIPT, TINY, launch, left_in_session, need, need_text, run_dirs, scalars
 
 
 def test_sync_and_async_step_identically():
@@ -228,24 +228,6 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
     time.sleep(2)  # the resource tracker's turn, once every holder of its pipe is gone
     err = trainer.communicate()[1]  # the workers and the tracker write to the trainer's stderr
     assert "Traceback" not in err and "leaked" not in err, err[-3000:]
-
-
-def left_in_session(sid, within=30.0) -> list[int]:
-    """The processes of session `sid` (a launch with new_session: the trainer, its workers, the
-    resource tracker) still alive, not zombies, after waiting up to `within` seconds."""
-    deadline = time.time() + within
-    while True:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(int(pid))
-        if not alive or time.time() > deadline:
-            return alive
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("when", ["training", "workers starting"])
