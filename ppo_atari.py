@@ -1166,7 +1166,8 @@ def torchrun_options(script: str) -> list[str] | None:
     for i, token in enumerate(argv):
         if token.endswith(("torchrun", "torch.distributed.run")):
             rest = argv[i + 1:]
-            ends = [j for j, t in enumerate(rest) if os.path.basename(t) == os.path.basename(script)]
+            name = os.path.basename(script)
+            ends = [j for j, token in enumerate(rest) if os.path.basename(token) == name]
             return rest[:ends[0]] if ends else None
     return None
 

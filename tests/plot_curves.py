@@ -16,8 +16,8 @@ avg_return_last100, games (the games finished by then), training_seconds (the su
 iterations' rollout and update times so far: the run's compute time, without start-ups or the
 time it was stopped); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv;
-a suffix after the seed, as in breakout-10M-seed1-unfinished-9.6M.csv, keeps the seed). The mean over
-seeds takes one run per seed: pass one file per seed.
+a suffix after the seed, as in breakout-10M-seed1-unfinished-9.6M.csv, keeps the seed). The mean
+over seeds takes one run per seed: pass one file per seed.
 
 One panel per game: each curve, and the published points at the same budgets, each marked with
 its source: CleanRL's ppo_atari.py docs figures (values read off the plotted curves) and SB3
@@ -176,7 +176,8 @@ def main():
     if scored:
         print("| evaluation | games | mean ± std |\n|---|---|---|")
         for evaluation, scores in scored.items():
-            print(f"| {evaluation} | {len(scores)} | {np.mean(scores):.2f} ± {np.std(scores):.2f} |")
+            print(f"| {evaluation} | {len(scores)} | "
+                  f"{np.mean(scores):.2f} ± {np.std(scores):.2f} |")
     budgets = [b for b in BUDGETS if b <= a.until]
     if curves:
         print("| game | run | last step | " + " | ".join(f"{b / 1e6:g}M" for b in budgets) +
@@ -188,7 +189,7 @@ def main():
             "-" if c is None else f"{c:.1f}" for c in cells[name]) + " |")
     for game in PUBLISHED:  # several seeds of one plan: mean and std where all reached a budget
         names = [n for n in cells if game_of(n) == game]
-        plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-unfinished-9.6M: seed 1
+        plan_of = {n: re.sub(r"seed\d+.*", "seed*", n) for n in names}  # seed1-unfinished-...: 1
         for plan in sorted(set(plan_of.values())):
             members = [n for n in names if plan_of[n] == plan]
             seeds = [m.group(1) for m in map(re.compile(r"seed(\d+)").search, members) if m]
@@ -219,7 +220,11 @@ def main():
 
 
 def plot(curves: dict, out: str, until: int):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(f"error: --out {out} draws with matplotlib, which is not installed: "
+                 f"pip install matplotlib (the tables above need nothing more)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

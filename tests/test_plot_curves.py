@@ -42,7 +42,8 @@ def test_a_seed_with_two_runs_gives_no_mean(tmp_path):
     out = table(*sorted(tmp_path.glob("*.csv")))
     assert "mean ± std" not in out
     assert "no mean, seed 1 has several runs" in out
-    out = table(tmp_path / "breakout-10M-seed1-unfinished-9.6M.csv", tmp_path / "breakout-10M-seed2.csv")
+    out = table(tmp_path / "breakout-10M-seed1-unfinished-9.6M.csv",
+                tmp_path / "breakout-10M-seed2.csv")
     assert "breakout-10M-seed*, mean ± std of 2" in out
 
 
@@ -81,3 +82,18 @@ def test_scored_games_are_exported_from_the_eval_events_and_averaged(tmp_path):
     out = table(path)
     assert "| step2048-seed1-1 | 3 | 20.00 ± 8.16 |" in out, out
     assert "| ALE-Breakout-v5-step2048-seed1-2 | 2 | 6.00 ± 1.00 |" in out, out
+
+
+def test_a_figure_without_matplotlib_is_one_line_not_a_traceback(tmp_path):
+    """Without matplotlib: the table is printed, then one line says what --out needs; exit 1."""
+    write_curve(tmp_path / "breakout-10M-seed1.csv", [(999_424, 20.0, 3000, 2000)])
+    (tmp_path / "nomatplotlib").mkdir()
+    (tmp_path / "nomatplotlib" / "matplotlib.py").write_text("raise ImportError('hidden')\n")
+    hidden = dict(os.environ, PYTHONPATH=str(tmp_path / "nomatplotlib"))
+    out = subprocess.run([sys.executable, PLOT, "--csv", str(tmp_path / "breakout-10M-seed1.csv"),
+                          "--out", str(tmp_path / "f.png")], capture_output=True, text=True,
+                         timeout=120, env=hidden)
+    assert out.returncode == 1 and "| breakout-10M-seed1 |" in out.stdout, out
+    assert out.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path / 'f.png'} draws with matplotlib, which is not installed: "
+        "pip install matplotlib (the tables above need nothing more)"], out.stderr
