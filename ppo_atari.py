@@ -706,15 +706,17 @@ class VideoRecorder(gym.Wrapper):
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
         self.folder, self.every_game, self.writer = folder, every_game, None
-        # numbered on after the videos already there: a resumed run keeps its earlier launches'
+        # the games env 0 has started, which name the videos: a checkpoint keeps the count (and
+        # env 0's finished games, so a resume that adds --capture-video numbers on too); with
+        # neither, numbered on after the videos already there
         names = os.listdir(folder) if os.path.isdir(folder) else []
-        self.games = 1 + max((int(n[5:-4]) for n in names if n.startswith("game-") and
-                              n.endswith(".mp4") and n[5:-4].isdigit()), default=-1)
+        self.games_state = 1 + max((int(n[5:-4]) for n in names if n.startswith("game-") and
+                                    n.endswith(".mp4") and n[5:-4].isdigit()), default=-1)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
         self._finish(complete=True)
-        k, self.games = self.games, self.games + 1
+        k, self.games_state = self.games_state, self.games_state + 1
         if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
             os.makedirs(self.folder, exist_ok=True)
             self.path = os.path.join(self.folder, f"game-{k}.mp4")
@@ -1015,8 +1017,9 @@ def layer_state(env) -> dict:
             if isinstance(value, RunningMeanStd):
                 out["state"][key] = {"mean": torch.as_tensor(value.mean),
                                      "var": torch.as_tensor(value.var), "count": float(value.count)}
-            elif attr.endswith("_state"):
-                saved = to_saved(value)
+            elif attr.endswith("_state") or isinstance(
+                    layer, gym.wrappers.RecordEpisodeStatistics) and attr == "episode_count":
+                saved = to_saved(value)  # (the finished games: a new video count starts there)
                 out["state" if checkpointable(saved) else "refused"][key] = \
                     saved if checkpointable(saved) else type(value).__name__
             elif type(layer).__name__ not in own and not isinstance(value, bool) and \
@@ -1076,6 +1079,9 @@ def restore_wrapper_statistics(envs, saved: dict):
     kept = saved.keys() - {"unsaved"}
     states = [{key: saved[key][i] for key in now & kept if i < len(saved[key])}
               for i in range(envs.num_envs)]
+    count, games = "VideoRecorder.games_state", "RecordEpisodeStatistics.episode_count"
+    if count in now - kept and games in kept:  # videos from this launch on: env 0's next game
+        states[0][count], kept = saved[games][0] + 1, kept | {count}
     if hasattr(envs, "envs"):  # sync: the envs are here
         for env, state in zip(envs.envs, states):
             set_layer_state(env, state)
@@ -1306,15 +1312,16 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
         fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
              f"the same game")
-    video = os.path.join(run_dir, "eval-videos") if args.capture_video else None
+    # each evaluation is a TensorBoard run of its own and a video folder of its own
+    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
+    name = f"{other}step{step}-seed{args.seed}-{int(time.time())}"
+    events = os.path.join(run_dir, "eval", name)
+    video = os.path.join(run_dir, "eval-videos", name) if args.capture_video else None
     eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
     envs = make_envs(eval_args, args.seed, video, every_game=True)
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
     load_agent(agent, state, path, env_id)
-    # each evaluation is a TensorBoard run of its own, so repeated ones never overlap
-    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
-    events = os.path.join(run_dir, "eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
     print(f"evaluation events: {shown_path(events)}" + (f"; videos: {shown_path(video)}"
                                                          if video else ""), flush=True)
     writer = SummaryWriter(events)

@@ -3,6 +3,7 @@ import copy
 import importlib.util
 import inspect
 import os
+import shutil
 import pickle
 import signal
 import sys
@@ -285,9 +286,9 @@ def test_evaluation_plays_full_games_and_logs_them(trained):
     assert [v for _, v in logged["eval/episodic_return"]] == scores
     assert logged["eval/mean_episodic_return"] == [(128, sum(scores) / 2)]
     # full games only: the game the autoreset began after the last one leaves no video
-    videos = sorted(os.listdir(os.path.join(run, "eval-videos")))
+    videos = sorted(os.listdir(os.path.join(run, "eval-videos", folder)))  # its own folder
     assert videos == ["game-0.mp4", "game-1.mp4"]
-    assert os.path.getsize(os.path.join(run, "eval-videos", "game-0.mp4")) > 1000
+    assert os.path.getsize(os.path.join(run, "eval-videos", folder, "game-0.mp4")) > 1000
     # seeded: the same command plays the same games, and logs them apart
     again = run_in_process(command[:4] + ["--no-cuda"], cwd=cwd)
     assert [ln for ln in again.stdout.splitlines() if ln.startswith("game ")] == games
@@ -557,6 +558,30 @@ def test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote(workdir):
     assert added, "the resumed launch wrote no video of its own"
     last = max(int(f[5:-4]) for f in first)
     assert all(int(f[5:-4]) > last for f in added), f"{sorted(added)} after {sorted(first)}"
+
+
+def test_videos_are_named_after_the_game_they_show_across_resumes(workdir):
+    """Env 0's game count is in the checkpoint: a resume names its first video after env 0's
+    next game, whether the videos before it are still in the folder or not, and whether the
+    launch before recorded videos at all (then from env 0's finished games)."""
+    need("main")
+    P.main(tiny_args(total_timesteps=256, stop_at_step=64, run_name="v", capture_video=True))
+    folder = workdir / "runs" / "v" / "videos"
+    saved = P.load_checkpoint("runs/v")["env_statistics"]
+    count = [P.from_saved(v) for v in saved["VideoRecorder.games_state"]]
+    assert count[1:] == [None] and count[0] >= 1, count  # env 0 alone records
+    shutil.rmtree(folder)  # the user cleared the first launch's videos
+    P.main(tiny_args(total_timesteps=256, stop_at_step=128, run_name="v", capture_video=True))
+    first = min(int(f[5:-4]) for f in os.listdir(folder))
+    assert first >= count[0], f"the resume's videos start at game {first}, env 0 had started " \
+        f"{count[0]} games before it"
+    P.main(tiny_args(total_timesteps=256, stop_at_step=64, run_name="w"))  # no videos, then some
+    saved = P.load_checkpoint("runs/w")["env_statistics"]
+    finished = saved["RecordEpisodeStatistics.episode_count"]
+    P.main(tiny_args(total_timesteps=256, stop_at_step=128, run_name="w", capture_video=True))
+    numbers = sorted(int(f[5:-4]) for f in os.listdir(workdir / "runs" / "w" / "videos"))
+    assert numbers and numbers[0] > P.from_saved(finished[0]), \
+        f"videos {numbers} after env 0 finished {finished[0]} games (game-0 is the first run's)"
 
 
 class Foreign(torch.Tensor):
