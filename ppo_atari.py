@@ -817,11 +817,27 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
+# what a --no-cuda run replaces until main returns
+CUDA_ENTRY_POINTS = [(torch.cuda, "is_available"), (torch.cuda, "_lazy_init"),
+                     (torch.cuda.random, "_lazy_init")]
+
+
+def no_cuda() -> bool:
+    return False
+
+
+def no_cuda_init():
+    raise RuntimeError("no CUDA in a --no-cuda run")  # what torch raises without a GPU
+
+
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
     """The one place the device and torch's CPU threads are chosen; say: print which, and why."""
-    if not args.cuda and not torch.cuda.is_initialized():  # torch.compile's tracing saves the
-        # CUDA RNG state whenever CUDA is available (initializing it): --no-cuda hides the GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not args.cuda:  # torch.compile's tracing saves the CUDA RNG state, and inductor reads
+        # the GPU, where torch sees one (initializing CUDA): until main returns, torch answers
+        # as on a machine without a GPU (CUDA_VISIBLE_DEVICES would be too late once counted)
+        torch.cuda.is_available = no_cuda
+        if not torch.cuda.is_initialized():
+            torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
@@ -1350,7 +1366,7 @@ def main(args: Args, explicit: set[str] | None = None):
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
     signals, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # choose_device may hide the GPUs
+    cuda_calls = [getattr(m, name) for m, name in CUDA_ENTRY_POINTS]  # --no-cuda replaces them
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
         rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
@@ -1374,8 +1390,8 @@ def main(args: Args, explicit: set[str] | None = None):
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        os.environ.update({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+        for (module, name), call in zip(CUDA_ENTRY_POINTS, cuda_calls):
+            setattr(module, name, call)
 
 
 if __name__ == "__main__":

@@ -262,11 +262,11 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      'while rank == 0 and store.add(f"ppo_atari/in{generation}", 0) < world_size - 1:',
      "while False:",
      "test_distributed.py::test_a_rank_that_starts_late_joins_when_init_returns_at_once"),
-    ("--no-cuda hides the GPUs", '        os.environ["CUDA_VISIBLE_DEVICES"] = ""\n',
+    ("--no-cuda hides CUDA from torch", "        torch.cuda.is_available = no_cuda\n",
      "        pass\n", "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_"
      "and_never_initializes_cuda"),
-    ("videos numbered on after a resume's earlier ones", "self.games = 1 + max(",
-     "self.games = 0 * max(",
+    ("videos numbered on after a resume's earlier ones", "self.games_state = 1 + max(",
+     "self.games_state = 0 * max(",
      "test_checkpoint.py::test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote"),
     ("the exit hook before the workers start",
      "    atexit.register(kill_workers)\n    multiprocessing.resource_tracker.ensure_running()\n"

@@ -91,7 +91,9 @@ def test_torch_threads_are_the_allocation_split_over_torchruns_local_processes(m
     """Without --threads, each process takes its share of the allocation's cores (two ranks on
     8 cores: 4 threads each, so that they do not oversubscribe); --threads overrides it."""
     choose = getattr(P.choose_device, "real", P.choose_device)  # not the suite's one thread
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # --no-cuda hides the GPUs
+    # --no-cuda replaces torch.cuda entry points until main returns: put back after the test
+    for module, name in getattr(P, "CUDA_ENTRY_POINTS", [(torch.cuda, "is_available")]):
+        monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(P, "usable_cores", lambda: 8)
     before = torch.get_num_threads()
     try:
