@@ -570,7 +570,9 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    writer = begin_run(args, run_dir, ckpt, agent, optimizer, envs, carry) if rank == 0 else None
+    env_state = wrapper_statistics(envs, world_size) if ckpt is None else None  # all ranks'
+    writer = begin_run(args, run_dir, ckpt, agent, optimizer, env_state, carry) if rank == 0 \
+        else None
 
     storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
                            device)
@@ -609,6 +611,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
         elif now > clock[1]:
             sps = int((global_step - clock[0]) / (now - clock[1]))
+        checkpoint = iteration % args.checkpoint_interval == 0 or last
+        env_state = wrapper_statistics(envs, world_size) if checkpoint else None  # all ranks'
         if writer is not None:
             stats |= {"charts/learning_rate": lr_now, "charts/clip_coef": clip_value,
                       "charts/SPS": sps, "charts/rollout_time": t1 - t0,
@@ -616,12 +620,12 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             show = sys.stdout.isatty() or now - last_print > 30 or iteration == num_iterations
             log_iteration(writer, stats, games, recent, global_step, args.total_timesteps, show)
             last_print = now if show else last_print
-            if iteration % args.checkpoint_interval == 0 or last:
+            if checkpoint:
                 writer.flush()  # the logs reach at least as far as the checkpoint
                 if last:  # agent.pt first: a kill between the two leaves the previous checkpoint
                     save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
-                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, iteration,
-                                recent, carry)
+                save_checkpoint(run_dir, agent, optimizer, env_state, args, global_step,
+                                iteration, recent, carry)
         if last:
             break
 
@@ -1065,11 +1069,11 @@ def env_layer_states(envs) -> list[dict]:
     return list(envs.call("layers_get"))
 
 
-def wrapper_statistics(envs) -> dict:
+def wrapper_statistics(envs, world_size: int = 1) -> dict:
     """The wrappers' state a checkpoint keeps: {"Layer.attr": [each env's value, None where the
-    env lacks that layer]}; "unsaved": other wrappers' numbers that have changed. A *_state value
-    a checkpoint cannot hold stops the run here, in one line (the first checkpoint is written
-    before the first iteration)."""
+    env lacks that layer]}, under torchrun every rank's envs in rank order (every rank calls it);
+    "unsaved": other wrappers' numbers that have changed. A *_state value a checkpoint cannot
+    hold stops the run here, in one line (the first checkpoint is made before any iteration)."""
     states = env_layer_states(envs)
     for i, env in enumerate(states):
         for key, kind in list(env["refused"].items())[:1]:
@@ -1083,17 +1087,21 @@ def wrapper_statistics(envs) -> dict:
     unsaved = [key.replace("#", "") for key, v in states[0]["numbers"].items()
                if key not in unchanged or not np.array_equal(np.asarray(v),
                                                              np.asarray(unchanged[key]))]
+    if world_size > 1:  # every rank's envs, rank 0's first
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, states)
+        states = [env for part in gathered for env in part]
     keys = dict.fromkeys(key for env in states for key in env["state"])
     saved = {key: [env["state"].get(key) for env in states] for key in keys}
     return saved | ({"unsaved": unsaved} if unsaved else {})
 
 
-def restore_wrapper_statistics(envs, saved: dict):
-    """Sets each env's wrapper state back to the checkpoint's, and says in one line what it
-    cannot: state only one side has, or that was never saved."""
+def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
+    """Sets each env's wrapper state back to the checkpoint's (this rank's envs'), and says in
+    one line what it cannot: state only one side has, or that was never saved."""
     now = {key for env in env_layer_states(envs) for key in env["state"]}
-    kept = saved.keys() - {"unsaved"}
-    states = [{key: saved[key][i] for key in now & kept if i < len(saved[key])}
+    kept, first = saved.keys() - {"unsaved"}, rank * envs.num_envs
+    states = [{key: saved[key][first + i] for key in now & kept if first + i < len(saved[key])}
               for i in range(envs.num_envs)]
     count, games = "VideoRecorder.games_state", "RecordEpisodeStatistics.episode_count"
     if count in now - kept and games in kept:  # videos from this launch on: env 0's next game
@@ -1113,7 +1121,7 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
     """A resume: weights, Adam's state, RNG, env wrappers' running statistics, the fork's carry
     (tensors on the training device), recent returns. Then every rank takes rank 0's weights."""
     if ckpt is not None:
-        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))
+        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)
         load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
         optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"], device)
@@ -1126,14 +1134,15 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
             dist.broadcast(t, src=0)
 
 
-def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, envs, carry: dict):
+def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env_state: dict,
+              carry: dict):
     """Rank 0: says where the run goes, writes a new run's checkpoint first (before any other
     file), and opens the TensorBoard writer (and wandb)."""
     shown = shown_path(run_dir)
     print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
     if ckpt is None:
-        save_checkpoint(run_dir, agent, optimizer, envs, args, 0, 0, [], carry)
+        save_checkpoint(run_dir, agent, optimizer, env_state, args, 0, 0, [], carry)
     if args.track:  # a continued run continues the same wandb run: its id is the folder's name
         import wandb
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
@@ -1156,10 +1165,11 @@ def checkpointable(obj) -> bool:
     return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
 
 
-def save_checkpoint(run_dir: str, agent, optimizer, envs, args: Args, global_step: int,
-                    iteration: int, recent, carry: dict):
+def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
+                    global_step: int, iteration: int, recent, carry: dict):
     """checkpoint.pt: everything a resume continues (weights, Adam, args, counters, RNG, the
-    last 100 games' returns, env wrappers' statistics, the fork's carry), written atomically."""
+    last 100 games' returns, env wrappers' state (wrapper_statistics), the fork's carry),
+    written atomically."""
     for key in [k for k, v in carry.items() if not checkpointable(v)][:1]:
         fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
              f"keep it as tensors, numbers, str, None, or lists, tuples and dicts of them")
@@ -1167,7 +1177,7 @@ def save_checkpoint(run_dir: str, agent, optimizer, envs, args: Args, global_ste
         "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
         "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "env_statistics": wrapper_statistics(envs), "carry": carry})
+        "env_statistics": env_state, "carry": carry})
 
 
 def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):

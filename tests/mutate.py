@@ -160,8 +160,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("--stop-at-step stops",
      "at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step",
      "at_stop = False", "test_checkpoint.py"),
-    ("a fork's carry is saved", '"env_statistics": wrapper_statistics(envs), "carry": carry})',
-     '"env_statistics": wrapper_statistics(envs)})',
+    ("a fork's carry is saved", '"env_statistics": env_state, "carry": carry})',
+     '"env_statistics": env_state})',
      "test_checkpoint.py::test_a_forks_carry_survives_a_resume"),
     ("a fork's carry is restored",
      'carry.update(map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)))',
@@ -193,11 +193,11 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      'set(os.listdir(folder)) - {"checkpoint.pt.tmp"}', "os.listdir(folder)", INSTANT),
     ("agent.pt before the final checkpoint",  # swapped: agent.pt after the final checkpoint
      "save_agent(run_dir, agent, args, global_step, iteration == num_iterations)\n"
-     "                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, "
-     "iteration,\n                                recent, carry)\n",
+     "                save_checkpoint(run_dir, agent, optimizer, env_state, args, global_step,\n"
+     "                                iteration, recent, carry)\n",
      "pass\n"
-     "                save_checkpoint(run_dir, agent, optimizer, envs, args, global_step, "
-     "iteration,\n                                recent, carry)\n                if last:\n"
+     "                save_checkpoint(run_dir, agent, optimizer, env_state, args, global_step,\n"
+     "                                iteration, recent, carry)\n                if last:\n"
      "                    save_agent(run_dir, agent, args, global_step, iteration == "
      "num_iterations)\n", INSTANT),
     ("signals caught from the first instant",
@@ -249,10 +249,10 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      '"recent_returns": [],', GAMES),
     ("the last 100 games are restored", '        recent.extend(ckpt["recent_returns"])\n',
      "        pass\n", GAMES),
-    ("wrapper statistics are saved", '"env_statistics": wrapper_statistics(envs), "carry"',
+    ("wrapper statistics are saved", '"env_statistics": env_state, "carry"',
      '"env_statistics": {}, "carry"', STATISTICS),
     ("wrapper statistics are restored",
-     '        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}))\n',
+     '        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)\n',
      "        pass\n", STATISTICS),
     # what reaches the loss, and this session's fixes of the GPU path
     ("the bootstrap is the next observation's value", "        _, next_value = agent(next_obs)\n",
@@ -269,14 +269,36 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "self.games_state = 0 * max(",
      "test_checkpoint.py::test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote"),
     ("the exit hook before the workers start",
-     "    atexit.register(kill_workers)\n    multiprocessing.resource_tracker.ensure_running()\n"
-     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})\n"
-     "    try:\n        return make_async(env_worker)\n",
-     "    multiprocessing.resource_tracker.ensure_running()\n"
-     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})\n"
-     "    try:\n        envs = make_async(env_worker)\n        atexit.register(kill_workers)\n"
-     "        return envs\n",
+     "    atexit.register(kill_workers)\n    stderr, devnull = os.dup(2), ",
+     "    stderr, devnull = os.dup(2), ",
      "test_backends.py::test_a_crashing_trainer_does_not_wait_for_its_async_workers"),
+    ("numpy wrapper state saved as tensors",
+     'if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biuf":',
+     "if False:", "test_wrapper_state.py"),
+    ("each rank gets its own envs' wrapper state back",
+     'kept, first = saved.keys() - {"unsaved"}, rank * envs.num_envs',
+     'kept, first = saved.keys() - {"unsaved"}, 0',
+     "test_distributed.py::test_each_rank_gets_its_own_envs_wrapper_state_back"),
+    ("a worker whose trainer is gone exits quietly",
+     "        os._exit(0)  # or a second Ctrl-C", "        raise  # or a second Ctrl-C",
+     "test_backends.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer"),
+    ("a second Ctrl-C kills the workers before exiting",
+     "            kill_workers()  # before they find the trainer gone\n", "",
+     "test_backends.py::test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none"),
+    ("a Ctrl-C is seen while the workers start",
+     "threading.Thread(target=started.wait, daemon=True).start()", "started.set()",
+     "test_backends.py::test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none"),
+    ("the continue line repeats the launch-only options",
+     'shlex.join([*launcher, sys.argv[0], "--resume", shown, *again])',
+     'shlex.join([*launcher, sys.argv[0], "--resume", shown])',
+     "test_cli.py::test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own"),
+    ("videos go on from env 0's finished games",
+     "states[0][count], kept = saved[games][0] + 1, kept | {count}", "kept = kept",
+     "test_checkpoint.py::test_videos_are_named_after_the_game_they_show_across_resumes"),
+    ("--no-cuda refuses CUDA's lazy initialisation",
+     "torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init", "pass",
+     "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_"
+     "initializes_cuda"),
     ("one exit hook per process, none per run",
      "        return make_async(env_worker)\n",
      "        envs = make_async(env_worker)\n        atexit.register(envs.close)\n"

@@ -613,8 +613,8 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
         written.update({os.path.basename(f.name).removesuffix(".tmp"): state}), saving(state, f)))
     os.makedirs("run")
     envs = gym.vector.SyncVectorEnv([Truncating])
-    P.save_checkpoint("run", agent, opt, envs, tiny_args(), 64, 1, [], {"buffer": torch.ones(
-        2).as_subclass(Foreign)})
+    P.save_checkpoint("run", agent, opt, P.wrapper_statistics(envs), tiny_args(), 64, 1, [],
+                      {"buffer": torch.ones(2).as_subclass(Foreign)})
     P.save_agent("run", agent, tiny_args(), 64, False)
     assert set(written) == {"checkpoint.pt", "agent.pt"}
     for name, state in written.items():
@@ -650,8 +650,8 @@ def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
     assert len(saved) == 2 and all(s["count"] > 30 for s in saved), saved
     restored, real = [], M.restore_wrapper_statistics
 
-    def spy(envs, state):
-        real(envs, state)
+    def spy(envs, state, *rank):
+        real(envs, state, *rank)
         restored.extend((float(s.mean), float(s.var), s.count) for s in envs.get_attr("return_rms"))
 
     monkeypatch.setattr(M, "restore_wrapper_statistics", spy)

@@ -211,3 +211,40 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("game 1: score") == 1
     assert "over 1 game (agent at step 640)" in out.stdout
+
+
+RANKED_TALLY = """
+class Tally(gym.Wrapper):
+    \"\"\"A fork's stateful wrapper whose count differs by rank (rank r counts r + 1 a step).\"\"\"
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.by, self.steps_state = 1 + int(os.environ.get("RANK", "0")), np.zeros(1, np.int64)
+
+    def step(self, action):
+        self.steps_state += self.by
+        return self.env.step(action)
+
+
+"""
+
+
+def test_each_rank_gets_its_own_envs_wrapper_state_back(tmp_path):
+    """Two ranks whose envs' wrapper state differs: the checkpoint holds every rank's envs (rank
+    0's first) and a resume gives each rank its own back, so both counts go on (rank 1 does
+    not take rank 0's). Two processes of one node: what it cannot show is two nodes."""
+    line = "        env = ClipReward(env)\n"
+    source = open(SCRIPT).read()
+    need(what="make_env's line `env = ClipReward(env)`, which the test wraps",
+         problem=None if source.count(line) == 1 else "this copy lacks it")
+    source = source.replace(line, "        env = ClipReward(Tally(env))\n")
+    (tmp_path / "tally.py").write_text(source.replace("def make_env(",
+                                                      RANKED_TALLY + "def make_env("))
+    args = [*TINY, "--total-timesteps", "256", "--run-name", "tally"]
+    for stop, expected in ((["--stop-at-step", "128"], [32, 32, 64, 64]),
+                           ([], [64, 64, 128, 128])):
+        out = torchrun(tmp_path, *args, *stop, script="tally.py")
+        assert out.returncode == 0, out.stderr[-3000:]
+        saved = P.load_checkpoint(str(tmp_path / "runs" / "tally"))["env_statistics"]
+        counts = [int(P.from_saved(v)[0]) for v in saved["Tally.steps_state"]]
+        assert counts == expected, f"per env, rank 0's first: {counts}, expected {expected}"
