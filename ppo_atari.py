@@ -1026,8 +1026,7 @@ def layer_state(env) -> dict:
     (gymnasium's running statistics, attributes named *_state); "refused", *_state values a
     checkpoint cannot hold (their type); "numbers", other wrappers' plain numbers, which a
     resume cannot continue. Async workers run it in their process (env_worker)."""
-    own = {"NoopReset", "MaxAndSkip", "EpisodicLife", "FireReset", "ClipReward", "GrayResize",
-           "VideoRecorder"}  # the file's own wrappers: their other state is one game's
+    one_game = {"EpisodicLife.lives"}  # the file's own wrappers' state that is one game's
     out = {"state": {}, "refused": {}, "numbers": {}}
     for name, layer in wrapper_layers(env):
         for attr, value in vars(layer).items():
@@ -1042,7 +1041,8 @@ def layer_state(env) -> dict:
                 saved = to_saved(value)  # (the finished games: a new video count starts there)
                 out["state" if checkpointable(saved) else "refused"][key] = \
                     saved if checkpointable(saved) else type(value).__name__
-            elif type(layer).__name__ not in own and not isinstance(value, bool) and \
+            elif f"{type(layer).__name__}.{attr}" not in one_game and \
+                    not isinstance(value, bool) and \
                     isinstance(value, (int, float, np.ndarray, torch.Tensor)) and \
                     type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py"):
                 out["numbers"][key] = value

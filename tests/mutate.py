@@ -299,6 +299,10 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init", "pass",
      "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_"
      "initializes_cuda"),
+    ("state added to the file's own wrappers is named at a resume",
+     'elif f"{type(layer).__name__}.{attr}" not in one_game and \\',
+     'elif type(layer).__module__ != __name__ and \\',
+     "test_wrapper_state.py::test_state_added_to_the_files_own_wrappers_is_named_at_a_resume"),
     ("one exit hook per process, none per run",
      "        return make_async(env_worker)\n",
      "        envs = make_async(env_worker)\n        atexit.register(envs.close)\n"
