@@ -389,13 +389,16 @@ def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
 
 
-def test_sigterm_to_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGTERM to the agent", "Ctrl-C to the group"])
+def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path,
+                                                                                 stop):
     """torchrun --standalone, two ranks with async envs, SIGTERM to the agent (a scheduler's
-    stop): each rank finishes its iteration, rank 0 writes the checkpoint and prints the line
-    that continues the run (torchrun's own --standalone in it); no worker traceback, no
-    leaked-resource warning, every process of the job gone. The agent itself exits 1 with its
-    SignalException traceback: torch's elastic agent raises it after forwarding the signal
-    (torch 2.13), which the file cannot change; README says so. Not shown: two agents."""
+    stop) or Ctrl-C to the process group (a terminal's): each rank finishes its iteration, rank
+    0 writes the checkpoint and prints the line that continues the run (torchrun's own
+    --standalone in it); no worker traceback, no leaked-resource warning, every process of the
+    job gone. The agent itself exits 1 with its SignalException traceback: torch's elastic agent
+    raises it after passing the signal on (torch 2.13), which the file cannot change; README
+    says so. Not shown: two agents as two nodes."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          SCRIPT, *TINY, "--total-timesteps", "100000", "--env-backend", "async",
@@ -405,7 +408,10 @@ def test_sigterm_to_torchrun_with_async_workers_checkpoints_and_leaves_no_proces
         for line in proc.stdout:
             if line.startswith("step "):
                 break
-        proc.send_signal(signal.SIGTERM)
+        if stop == "SIGTERM to the agent":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
