@@ -303,6 +303,9 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      'elif f"{type(layer).__name__}.{attr}" not in one_game and \\',
      'elif type(layer).__module__ != __name__ and \\',
      "test_wrapper_state.py::test_state_added_to_the_files_own_wrappers_is_named_at_a_resume"),
+    ("no sticky actions in training (v4)", "env = gym.make(env_id, frameskip=1)",
+     "env = gym.make(env_id, frameskip=1, repeat_action_probability=0.25)",
+     "test_wrappers.py::test_the_emulator_settings_of_record_in_the_copys_own_training_env"),
     ("one exit hook per process, none per run",
      "        return make_async(env_worker)\n",
      "        envs = make_async(env_worker)\n        atexit.register(envs.close)\n"

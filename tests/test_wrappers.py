@@ -47,6 +47,46 @@ def raw(env_id="BreakoutNoFrameskip-v4"):
     return gym.make(env_id, frameskip=1)
 
 
+EMULATOR_OF_RECORD = {  # a NoFrameskip-v4 id as the published runs made it (ALE-NOTES.md)
+    "sticky actions (repeat_action_probability)": 0.0,
+    "the emulator's frame skip (the wrappers skip)": 1,
+    "the action set (minimal: the game's own actions)": "minimal",
+    "the emulator's episode limit in frames (max_num_frames_per_episode)": 108_000,
+    "the observation type the wrappers receive": "rgb",
+}
+
+
+def emulator_settings(env) -> dict:
+    """What an env's emulator was given, read back from the ALE itself."""
+    atari = env.unwrapped
+    ale = atari.ale
+    minimal = [a.value for a in ale.getMinimalActionSet()]
+    return dict(zip(EMULATOR_OF_RECORD, [
+        round(ale.getFloat("repeat_action_probability"), 6),
+        max(ale.getInt("frame_skip"), int(getattr(atari, "_frameskip", 1))),
+        "minimal" if [a.value for a in atari._action_set] == minimal else
+        f"{len(atari._action_set)} actions, not the game's minimal {len(minimal)}",
+        ale.getInt("max_num_frames_per_episode"),
+        getattr(atari, "_obs_type", "?")]))
+
+
+def test_the_emulator_settings_of_record_in_the_copys_own_training_env():
+    """The env this copy's make_envs builds for training (not one this test makes) gives the
+    emulator the settings of record for a v4 id: no sticky actions, frame skip left to the
+    wrappers, the minimal action set, ALE's 108,000-frame limit, RGB frames in. Each changed one
+    is named with its value of record and this copy's."""
+    need("vector env")
+    envs = P.make_envs(P.Args(env_id="BreakoutNoFrameskip-v4", num_envs=1, env_backend="sync"),
+                       seed=0)
+    try:
+        mine = emulator_settings(envs.envs[0])
+    finally:
+        envs.close()
+    expect(*[(mine[name] == value, f"emulator setting {name}: of record {value!r}; this "
+                                   f"copy's {mine[name]!r}")
+             for name, value in EMULATOR_OF_RECORD.items()])
+
+
 def test_max_and_skip_matches_stepping_the_raw_env_by_hand():
     need("wrappers")
     wrapped, reference = P.MaxAndSkip(raw("PongNoFrameskip-v4"), skip=4), raw("PongNoFrameskip-v4")
