@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import gymnasium as gym
 import numpy as np
@@ -26,6 +27,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "ppo_atari.py")  # replaced by --script in pytest_configure
+IMPORTABLE = ROOT  # the folder `import ppo_atari` finds the copy in (pytest_configure)
 
 # A tiny but complete configuration: 2 envs x 32 steps, 2 minibatches, 2 epochs, on the CPU,
 # one torch thread (see one_torch_thread)
@@ -56,7 +58,14 @@ def pytest_configure(config):
     if not os.path.isfile(SCRIPT):
         raise pytest.UsageError(f"--script {SCRIPT}: no such file")
     os.environ["PPO_ATARI_SCRIPT"] = SCRIPT  # for subprocesses that import it (torchrun harness)
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # spawned env workers import it by name
+    global IMPORTABLE  # a folder where `import ppo_atari` finds the copy, whatever its name
+    IMPORTABLE = os.path.dirname(SCRIPT)
+    if os.path.basename(SCRIPT) != "ppo_atari.py":  # my_fork.py: imported by name as ppo_atari
+        IMPORTABLE = tempfile.mkdtemp(prefix="ppo-atari-as-")  # (spawned env workers, scripts)
+        os.symlink(SCRIPT, os.path.join(IMPORTABLE, "ppo_atari.py"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [IMPORTABLE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    sys.path.insert(0, IMPORTABLE)  # spawned env workers import it by name
     spec = importlib.util.spec_from_file_location("ppo_atari", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["ppo_atari"] = module

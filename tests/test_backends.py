@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ppo_atari as P
+import conftest
 from conftest import SCRIPT, TINY, launch, left_in_session, need, need_text, run_dirs, scalars
 
 
@@ -182,7 +183,7 @@ def test_a_ctrl_c_while_async_workers_start_does_not_hang_the_exit(tmp_path):
         "if __name__ == '__main__':  # spawned workers import this file as their main module\n"
         "    P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n")
     proc = launch([], tmp_path, script=tmp_path / "starter.py", new_session=True,
-                  env={"PYTHONPATH": os.path.dirname(SCRIPT)})
+                  env={"PYTHONPATH": conftest.IMPORTABLE})
     _, err = proc.communicate(timeout=60)  # forever when the workers outlive the exit hook
     assert proc.returncode != 0 and "KeyboardInterrupt" in err, (proc.returncode, err[-2000:])
 
@@ -207,7 +208,7 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
         "    print('workers:', *(p.pid for p in envs.processes), flush=True)\n"
         "    time.sleep(600)\n")
     trainer = launch([], tmp_path, script=tmp_path / "trainer.py",
-                     env={"PYTHONPATH": os.path.dirname(SCRIPT)})
+                     env={"PYTHONPATH": conftest.IMPORTABLE})
     line = trainer.line_starting("workers: ")
     assert line is not None, (trainer.kill(), trainer.communicate()[1][-2000:])
     pids = [int(p) for p in line.split()[1:]]
