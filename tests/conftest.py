@@ -317,9 +317,10 @@ def stand_in_envs(game, n: int):
     return gym.vector.SyncVectorEnv([thunk] * n, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
-def reference_ppo_loss(newlogprob, entropy, newvalue, mb: dict, clip: float, args):
-    """PPO's loss of record (CleanRL, baselines ppo2), written here apart from the file: the
-    clipped surrogate, the clipped value error, the entropy bonus, with args' coefficients."""
+def reference_ppo_terms(newlogprob, entropy, newvalue, mb: dict, clip: float, args) -> dict:
+    """PPO's loss of record (CleanRL, baselines ppo2), written here apart from the file, term by
+    term under the names the file's metrics use: policy_loss (the clipped surrogate),
+    value_loss (half the clipped value error), entropy; "loss" with args' coefficients."""
     import torch
     ratio = torch.exp(newlogprob - mb["logprobs"])
     adv = mb["advantages"]
@@ -330,7 +331,11 @@ def reference_ppo_loss(newlogprob, entropy, newvalue, mb: dict, clip: float, arg
     if args.clip_vloss:
         moved = mb["values"] + (newvalue - mb["values"]).clamp(-clip, clip)
         error = torch.maximum(error, (moved - mb["returns"]) ** 2)
-    return -surrogate.mean() + args.vf_coef * 0.5 * error.mean() - args.ent_coef * entropy.mean()
+    terms = {"policy_loss": -surrogate.mean(), "value_loss": 0.5 * error.mean(),
+             "entropy": entropy.mean()}
+    terms["loss"] = (terms["policy_loss"] + args.vf_coef * terms["value_loss"] -
+                     args.ent_coef * terms["entropy"])
+    return {k: float(v) for k, v in terms.items()}
 
 
 def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
@@ -350,8 +355,9 @@ def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
             _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"],
                                                                            mb["actions"])
             entry["ratio_gap"] = (newlogprob - mb["logprobs"]).abs().max().item()
-            entry["of_record"] = float(reference_ppo_loss(newlogprob, entropy, newvalue, mb,
-                                                          float(clip), args))
+            entry["terms"] = reference_ppo_terms(newlogprob, entropy, newvalue, mb, float(clip),
+                                                 args)
+            entry["of_record"] = entry["terms"]["loss"]
     return entry
 
 

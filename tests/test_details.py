@@ -39,9 +39,11 @@ def test_loss_is_pg_minus_entropy_bonus_plus_weighted_value_loss():
 def test_the_training_loss_is_the_ppo_loss_of_record(instrumented):
     """Pins the published objective where training uses it: every call of the loss function
     main calls, on the real minibatches of a real update, against PPO's loss of record
-    (reference_ppo_loss, written apart from the file). A fork that adds a term fails here with
-    the size of its term; a fork that keeps PPO passes. Where the Agent's interface changed (a
-    recurrent policy), the loss is checked against the file's own terms instead."""
+    (reference_ppo_terms, written apart from the file). A fork that adds a term fails here with
+    the size of its term, saying which of PPO's terms its metrics still match and what the
+    coefficients would have to be (a changed coefficient is named as one); a fork that keeps PPO
+    passes. Where the Agent's interface changed (a recurrent policy), the loss is checked
+    against the file's own terms instead."""
     calls = loss_calls(instrumented)
     args = calls[0]["args"]
     if all("of_record" in c for c in calls):
@@ -58,7 +60,40 @@ def test_the_training_loss_is_the_ppo_loss_of_record(instrumented):
         f"the loss training uses is not PPO's loss of record (clipped surrogate - ent_coef * "
         f"entropy + vf_coef * clipped value loss, CleanRL and baselines ppo2; {how}): it differs "
         f"by up to {gaps[worst]:.3g} ({gaps[worst] / scale:.2%} of PPO's {expected[worst]:.4g}) "
-        f"over the {len(calls)} minibatches of two updates")
+        f"over the {len(calls)} minibatches of two updates. " + which_part_differs(calls))
+
+
+def which_part_differs(calls: list) -> str:
+    """Where the training loss parts from PPO's: the terms its metrics report against PPO's
+    terms of record, then, with those matching, the coefficient that would explain the rest."""
+    if not all("terms" in c for c in calls):
+        return ""
+    args = calls[0]["args"]
+    names = ["policy_loss", "value_loss", "entropy"]
+    gap = {n: max(abs(c["metrics"].get(n, float("nan")) - c["terms"][n]) for c in calls)
+           for n in names}
+    differ = [n for n in names if not gap[n] <= 1e-5 * max(abs(c["terms"][n]) for c in calls)
+              + 1e-6]
+    if differ:
+        return "Its metrics differ from PPO's terms: " + ", ".join(
+            f"{n} by up to {gap[n]:.3g}" if gap[n] == gap[n] else f"{n} not reported"
+            for n in differ) + "."
+    pg, v, e = ([c["terms"][n] for c in calls] for n in names)
+    loss = [c["loss"] for c in calls]
+    ent = [(p + args.vf_coef * vv - l) / ee for p, vv, ee, l in zip(pg, v, e, loss)]
+    vf = [(l - p + args.ent_coef * ee) / vv for p, vv, ee, l in zip(pg, v, e, loss)]
+    constant = {name: max(xs) - min(xs) <= 1e-4 * max(map(abs, xs))
+                for name, xs in (("entropy", ent), ("value", vf))}
+    head = "Its policy_loss, value_loss and entropy match PPO's terms; what differs is how " \
+        "they are combined: "
+    if constant["entropy"] != constant["value"]:
+        name, xs, published = ("entropy", ent, args.ent_coef) if constant["entropy"] else \
+            ("value", vf, args.vf_coef)
+        return head + f"the {name} coefficient is {xs[0]:.4g}, not the published {published}."
+    return head + (f"no one coefficient explains it: an added term, or a coefficient that "
+                   f"changes across minibatches (the entropy coefficient would run from "
+                   f"{min(ent):.4g} to {max(ent):.4g}, published {args.ent_coef}; the value "
+                   f"coefficient from {min(vf):.4g} to {max(vf):.4g}, published {args.vf_coef}).")
 
 
 def test_the_entropy_term_pushes_towards_more_entropy():
