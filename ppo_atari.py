@@ -451,6 +451,15 @@ def make_batch(agent, storage: dict, next_obs, autocast, args: Args, carry: dict
                     "returns": returns.flatten().to(device)}
 
 
+def schedule(iteration: int, num_iterations: int, args: Args) -> tuple[float, float]:
+    """The learning rate and clip coefficient of iteration 1..num_iterations: annealed, both
+    fall linearly to 0 over the run. Another schedule (a warm-up) goes here; a resume's message
+    reads it too."""
+    frac = 1.0 - (iteration - 1.0) / num_iterations
+    return (frac * args.learning_rate if args.anneal_lr else args.learning_rate,
+            frac * args.clip_coef if args.anneal_clip else args.clip_coef)
+
+
 def check_sizes(args: Args):
     """What the update needs of the sizes, checked at start-up (a fork's update that splits the
     batch otherwise checks its own here); `fail` says it in one line."""
@@ -582,11 +591,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
     num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, 0.0
     for iteration in range(iteration + 1, num_iterations + 1):
-        # anneal: learning rate (and optionally clip range) fall linearly to 0 over the run
-        frac = 1.0 - (iteration - 1.0) / num_iterations
-        lr_now = frac * args.learning_rate if args.anneal_lr else args.learning_rate
+        lr_now, clip_value = schedule(iteration, num_iterations, args)
         optimizer.param_groups[0]["lr"] = lr_now
-        clip_value = frac * args.clip_coef if args.anneal_clip else args.clip_coef
         clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
 
         t0 = time.time()
@@ -1260,7 +1266,7 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
               f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
               f"continue to {args.total_timesteps:,}", flush=True)
         return True
-    lr_old, lr_new = ((1.0 - done / (total // batch)) * args.learning_rate
+    lr_old, lr_new = (schedule(done + 1, total // batch, args)[0]  # the next iteration's
                       for total in (saved.total_timesteps, args.total_timesteps))
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
             f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")

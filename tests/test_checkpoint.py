@@ -723,3 +723,25 @@ def test_carry_refuses_what_a_checkpoint_cannot_hold_in_one_line(workdir, monkey
     assert exit_.value.code == 2 and len(err) == 1, err
     assert "carry['stats'] is a ndarray, which a checkpoint cannot hold" in err[0]
     assert not os.path.exists("runs/bad/checkpoint.pt")
+
+
+def test_a_resume_reports_the_learning_rate_the_forks_schedule_gives(workdir, capsys):
+    """The learning rate a resume says it goes on with is the one its next iteration logs, also
+    for a fork with its own schedule (here a warm-up: half the rate for the first 3 iterations),
+    since both read the core's schedule()."""
+    need("main")
+    line = "    frac = 1.0 - (iteration - 1.0) / num_iterations\n"
+    need_text(line, "schedule()'s line `frac = 1.0 - (iteration - 1.0) / num_iterations`")
+    source = open(SCRIPT).read().replace(line, line + "    frac *= 0.5 if iteration <= 3 else 1\n")
+    (workdir / "warm.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("warm", workdir / "warm.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+    args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                total_timesteps=6 * 64, run_name="warm")
+    M.main(M.Args(**args, stop_at_step=128))
+    capsys.readouterr()
+    M.main(M.Args(**args, stop_at_step=192))
+    said = capsys.readouterr().out.split("goes on along its schedule (", 1)[1].split(" now")[0]
+    logged = dict(scalars("runs/warm")["charts/learning_rate"])[192]
+    assert said == f"{logged:.3g}", f"the resume said {said}; its next iteration used {logged}"

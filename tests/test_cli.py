@@ -108,6 +108,34 @@ def test_each_example_fork_still_applies_to_the_file(fork, tmp_path):
     applied(fork, tmp_path)
 
 
+def test_the_lstm_forks_act_takes_a_state_of_one_tensor_or_a_tuple(tmp_path):
+    """The recurrent fork's act() (what evaluation plays) keeps whatever state the policy
+    returns between steps: a tuple (an LSTM's) or one tensor (a GRU's, whose truth value torch
+    refuses), starting from initial_state when there is none."""
+    spec = importlib.util.spec_from_file_location("lstm_fork", applied("lstm.diff", tmp_path))
+    F = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(F)
+    import torch
+
+    class Recurrent:  # stands for a policy whose state is `make(n)`, counted up each step
+        def __init__(self, make):
+            self.make = make
+
+        def initial_state(self, num_envs, device):
+            return self.make(num_envs)
+
+        def get_action_and_value(self, obs, state, starts):
+            moved = tuple(s + 1 for s in state) if isinstance(state, tuple) else state + 1
+            return torch.zeros(obs.shape[0], dtype=torch.long), None, None, None, moved
+
+    for make in (lambda n: torch.zeros(1, n, 8), lambda n: (torch.zeros(1, n, 8),) * 2):
+        memory = {"starts": torch.ones(2)}
+        for _ in range(3):
+            F.act(Recurrent(make), torch.zeros(2, 4, 84, 84), memory)
+        state = memory["state"] if isinstance(memory["state"], tuple) else (memory["state"],)
+        assert all(torch.equal(s, torch.full((1, 2, 8), 3.0)) for s in state), memory
+
+
 @pytest.mark.forks
 @pytest.mark.parametrize("fork", EXAMPLE_FORKS)
 def test_each_example_fork_trains_stops_resumes_and_evaluates(fork, tmp_path, monkeypatch):
