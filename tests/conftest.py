@@ -332,7 +332,7 @@ def reference_ppo_terms(newlogprob, entropy, newvalue, mb: dict, clip: float, ar
         moved = mb["values"] + (newvalue - mb["values"]).clamp(-clip, clip)
         error = torch.maximum(error, (moved - mb["returns"]) ** 2)
     terms = {"policy_loss": -surrogate.mean(), "value_loss": 0.5 * error.mean(),
-             "entropy": entropy.mean()}
+             "entropy": entropy.mean()}  # (means over the rows given: one optimizer step's)
     terms["loss"] = (terms["policy_loss"] + args.vf_coef * terms["value_loss"] -
                      args.ent_coef * terms["entropy"])
     return {k: float(v) for k, v in terms.items()}
@@ -358,6 +358,9 @@ def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
             entry["terms"] = reference_ppo_terms(newlogprob, entropy, newvalue, mb, float(clip),
                                                  args)
             entry["of_record"] = entry["terms"]["loss"]
+            entry["forward"] = {"newlogprob": newlogprob, "entropy": entropy,
+                                "newvalue": newvalue} | {k: mb[k].detach().clone() for k in (
+                                    "logprobs", "advantages", "returns", "values")}
     return entry
 
 
@@ -377,13 +380,17 @@ def instrumented(tmp_path_factory):
     import torch.nn as nn
     import ppo_atari as P
     seen = {"adam": [], "clip": [], "loss": [], "gae": [], "batch": [], "rollouts": [],
-            "optimizer": None, "agent": None, "carry": {}}
+            "steps": [], "optimizer": None, "agent": None, "carry": {}}
 
     class Adam(torch.optim.Adam):
         def __init__(self, params, *a, **kw):
             seen["adam"].append(kw)
             super().__init__(params, *a, **kw)
             seen["optimizer"] = self
+
+        def step(self, *a, **kw):  # the loss calls so far: each step learned from those since
+            seen["steps"].append(len(seen["loss"]))  # the step before
+            return super().step(*a, **kw)
 
     real_clip, real_loss, real_gae = nn.utils.clip_grad_norm_, P.minibatch_loss, P.compute_gae
     real_batch = P.make_batch
@@ -436,9 +443,10 @@ def instrumented(tmp_path_factory):
         mp.setattr(P, "make_batch", make_batch)
         mp.setattr(P, "make_envs", truncating_envs)
         mp.setattr(P, "check_env_id", lambda env_id: None)
-        P.main(P.Args(env_id="Truncating", num_envs=4, num_steps=16, num_minibatches=4,
-                      update_epochs=3, total_timesteps=128, anneal_clip=True, cuda=False,
-                      run_name="instrumented"))
+        seen["run_args"] = P.Args(env_id="Truncating", num_envs=4, num_steps=16,
+                                  num_minibatches=4, update_epochs=3, total_timesteps=128,
+                                  anneal_clip=True, cuda=False, run_name="instrumented")
+        P.main(seen["run_args"])
     seen["logged"] = scalars(str(cwd / "runs" / "instrumented"))
     return seen
 
@@ -449,6 +457,39 @@ def loss_calls(instrumented) -> list:
          "clip_coef, args, ...)", problem=None if instrumented["loss"] else
          "this copy's training never called minibatch_loss")
     return instrumented["loss"]
+
+
+def optimizer_steps(instrumented) -> list:
+    """What each optimizer step learned from, whatever the number of loss calls it took (one
+    per minibatch as published; two halves, accumulated): its calls, their rows, lr and clip,
+    the actions; its loss and metrics (the rows-weighted mean of its calls'; "summed": their sum,
+    for a fork whose calls return each their share); and PPO's terms of record over all its rows
+    (advantages normalized over the rows of the step, the minibatch: "terms")."""
+    import torch
+    calls, ends = loss_calls(instrumented), instrumented["steps"]
+    args = instrumented["run_args"]
+    steps = []
+    for first, end in zip([0] + ends, ends):
+        group = calls[first:end]
+        if not group:
+            continue
+        rows = [len(c["actions"]) for c in group]
+        weight = [r / sum(rows) for r in rows]
+        step = {"calls": group, "rows": sum(rows), "lr": group[0]["lr"], "args": group[0]["args"],
+                "clip_coef": group[0]["clip_coef"], "actions": torch.cat([c["actions"]
+                                                                          for c in group]),
+                "loss": sum(w * c["loss"] for w, c in zip(weight, group)),
+                "summed": sum(c["loss"] for c in group),
+                "metrics": {k: sum(w * c["metrics"][k] for w, c in zip(weight, group))
+                            for k in group[0]["metrics"]},
+                "ratio_gap": max(c.get("ratio_gap", 0.0) for c in group)}
+        if all("forward" in c for c in group):
+            joined = {k: torch.cat([c["forward"][k] for c in group]) for k in group[0]["forward"]}
+            step["terms"] = reference_ppo_terms(
+                joined.pop("newlogprob"), joined.pop("entropy"), joined.pop("newvalue"), joined,
+                step["clip_coef"], dataclasses.replace(group[0]["args"], norm_adv=args.norm_adv))
+        steps.append(step)
+    return steps
 
 
 def gae_calls(instrumented) -> list:

@@ -160,12 +160,17 @@ def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(wor
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(workdir, monkeypatch, capsys):
-    real, calls = P.minibatch_loss, []
+    real, real_update, updates = P.minibatch_loss, P.update, []
 
-    def poisoned(*a, **kw):  # iterations 1-2 are sound (4 minibatches each), 3 turns NaN
-        calls.append(1)
+    def poisoned(*a, **kw):  # iterations 1-2 are sound, the third update's losses turn NaN
         loss, metrics = real(*a, **kw)
-        return (loss * float("nan"), metrics) if len(calls) > 8 else (loss, metrics)
+        return (loss * float("nan"), metrics) if len(updates) > 2 else (loss, metrics)
+
+    def update(*a, **kw):
+        updates.append(1)
+        return real_update(*a, **kw)
+
+    monkeypatch.setattr(P, "update", update)
 
     closed, real_writer = [], P.SummaryWriter
 
@@ -418,12 +423,13 @@ def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
     monkeypatch.setattr(P, "make_batch", estimating)
     P.main(tiny_args(total_timesteps=2 * 64, run_name="stateful"))
     run = str(workdir / "runs" / "stateful")
-    assert P.load_checkpoint(run)["carry"]["calls"] == 2 * 4  # 2 epochs x 2 minibatches each
+    per_iteration = P.load_checkpoint(run)["carry"]["calls"] / 2  # 2 epochs x 2 minibatches
+    assert per_iteration >= 4  # (or more loss calls, each minibatch split)
     P.main(tiny_args(total_timesteps=3 * 64, run_name="stateful"))  # continued
     carry = P.load_checkpoint(run)["carry"]
-    assert carry["calls"] == 3 * 4, "the resume did not restore the fork's carried state"
+    assert carry["calls"] == 3 * per_iteration, "the resume did not restore the fork's state"
     assert carry["batches"] == 3, "make_batch's carry is not the one checkpoints keep"
-    assert torch.equal(carry["running"], torch.tensor(12.0))
+    assert torch.equal(carry["running"], torch.tensor(3 * per_iteration))
 
 
 def test_a_resume_keeps_the_last_100_games(workdir, monkeypatch):

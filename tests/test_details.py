@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import (expect, gae_calls, loss_calls, need, obs_shape, seam_problem,
-                      truncating_envs)
+from conftest import (expect, gae_calls, loss_calls, need, obs_shape, optimizer_steps,
+                      seam_problem, truncating_envs)
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
 
@@ -44,31 +44,41 @@ def test_the_training_loss_is_the_ppo_loss_of_record(instrumented):
     coefficients would have to be (a changed coefficient is named as one); a fork that keeps PPO
     passes. Where the Agent's interface changed (a recurrent policy), the loss is checked
     against the file's own terms instead."""
-    calls = loss_calls(instrumented)
-    args = calls[0]["args"]
-    if all("of_record" in c for c in calls):
-        expected = [c["of_record"] for c in calls]
-        how = "recomputed from the minibatch"
+    steps = optimizer_steps(instrumented)
+    args = steps[0]["args"]
+    if all("terms" in s for s in steps):
+        expected = [s["terms"]["loss"] for s in steps]
+        how = "recomputed from each optimizer step's minibatch"
     else:
-        expected = [c["metrics"]["policy_loss"] - args.ent_coef * c["metrics"]["entropy"] +
-                    args.vf_coef * c["metrics"]["value_loss"] for c in calls]
+        expected = [s["metrics"]["policy_loss"] - args.ent_coef * s["metrics"]["entropy"] +
+                    args.vf_coef * s["metrics"]["value_loss"] for s in steps]
         how = "from its own policy_loss, entropy and value_loss"
-    gaps = [abs(c["loss"] - e) for c, e in zip(calls, expected)]
+    gaps = [min(abs(s["loss"] - e), abs(s["summed"] - e)) for s, e in zip(steps, expected)]
     worst = max(range(len(gaps)), key=gaps.__getitem__)
     scale = abs(expected[worst]) or 1.0
     assert gaps[worst] <= 1e-5 * scale + 1e-6, (
         f"the loss training uses is not PPO's loss of record (clipped surrogate - ent_coef * "
         f"entropy + vf_coef * clipped value loss, CleanRL and baselines ppo2; {how}): it differs "
         f"by up to {gaps[worst]:.3g} ({gaps[worst] / scale:.2%} of PPO's {expected[worst]:.4g}) "
-        f"over the {len(calls)} minibatches of two updates. " + which_part_differs(calls))
+        f"over the {len(steps)} optimizer steps of two updates. " + which_part_differs(steps))
 
 
 def which_part_differs(calls: list) -> str:
-    """Where the training loss parts from PPO's: the terms its metrics report against PPO's
-    terms of record, then, with those matching, the coefficient that would explain the rest."""
+    """Where the training loss parts from PPO's (calls: optimizer steps): the advantages
+    normalized over each loss call's rows instead of the step's; else the terms its metrics
+    report against PPO's terms of record, then, with those matching, the coefficient that would
+    explain the rest."""
     if not all("terms" in c for c in calls):
         return ""
     args = calls[0]["args"]
+    split = [s for s in calls if len(s["calls"]) > 1]
+    if split and args.norm_adv and all(
+            abs(s["loss"] - sum(len(c["actions"]) * c["of_record"] for c in s["calls"]) /
+                s["rows"]) <= 1e-5 * abs(s["loss"]) + 1e-6 for s in split):
+        call_rows = sorted({len(c["actions"]) for s in split for c in s["calls"]})
+        return (f"Advantage normalization: over each loss call's rows ({call_rows}), not over "
+                f"the {split[0]['rows']} rows of the minibatch an optimizer step learns from "
+                f"(normalize the minibatch's advantages before splitting it).")
     names = ["policy_loss", "value_loss", "entropy"]
     gap = {n: max(abs(c["metrics"].get(n, float("nan")) - c["terms"][n]) for c in calls)
            for n in names}
@@ -313,13 +323,16 @@ def test_gradient_norm_clipped_at_every_minibatch_step(instrumented):
 
 
 def test_epochs_shuffled_minibatches_and_annealing(instrumented):
-    calls = loss_calls(instrumented)
-    assert len(calls) == 2 * 3 * 4, (f"minibatch losses of 2 iterations x 3 epochs x 4 "
+    calls = optimizer_steps(instrumented)  # what each optimizer step learned from
+    assert len(calls) == 2 * 3 * 4, (f"optimizer steps of 2 iterations x 3 epochs x 4 "
                                      f"minibatches: 24; this copy's {len(calls)}")
+    rows = [c["rows"] for c in calls]
     # lr 2.5e-4 and clip_coef 0.1 annealed linearly: full in iteration 1, half in iteration 2
     clips, lrs = sorted({round(c["clip_coef"], 6) for c in calls}), sorted({c["lr"] for c in calls})
     epochs = [torch.cat([c["actions"] for c in calls[e * 4:(e + 1) * 4]]) for e in range(3)]
-    expect(([round(c["clip_coef"], 6) for c in calls] == [0.1] * 12 + [0.05] * 12,
+    expect((rows == [16] * 24, f"each optimizer step learns from one minibatch of 64 / 4 = 16 "
+            f"rows; this copy's steps learned from {sorted(set(rows))} rows"),
+           ([round(c["clip_coef"], 6) for c in calls] == [0.1] * 12 + [0.05] * 12,
             f"--anneal-clip: clip 0.1 in iteration 1 of 2, 0.05 in iteration 2 (linear to 0); "
             f"this copy's values {clips}"),
            ([c["lr"] for c in calls] == [2.5e-4] * 12 + [1.25e-4] * 12, f"learning rate "
@@ -335,8 +348,8 @@ def test_the_first_minibatch_has_ratio_one_no_clipping_and_no_kl(instrumented):
     """Before the first optimizer step the policy is the rollout's: the stored log-probabilities
     are the rollout policy's, so the ratio is exactly 1, nothing is clipped, both KL estimates
     are 0, and the surrogate of normalized advantages (mean 0) is 0."""
-    first = loss_calls(instrumented)[0]
-    m, gap = first["metrics"], first.get("ratio_gap", 0.0)
+    first = optimizer_steps(instrumented)[0]  # its calls' metrics, weighted by their rows
+    m, gap = first["metrics"], first["ratio_gap"]
     checks = [(gap < 1e-5, f"the stored log-probabilities are the rollout policy's (ratio 1 "
                f"before the first step); this copy's differ by {gap:.3g}")]
     for name, bound in [("old_approx_kl", 1e-6), ("approx_kl", 1e-6), ("clipfrac", 0.0),
@@ -352,14 +365,14 @@ def test_the_first_minibatch_has_ratio_one_no_clipping_and_no_kl(instrumented):
 def test_every_metric_of_the_training_loss_is_logged(instrumented):
     """A metric is one entry in the loss's dict: logged as losses/<name>, the mean over the
     iteration's minibatches; grad_norm, the norm before clipping, is logged by default."""
-    calls, logged = loss_calls(instrumented), instrumented["logged"]
+    calls, logged = optimizer_steps(instrumented), instrumented["logged"]
     checks = []
     for name in calls[0]["metrics"]:
         per_iteration = [sum(c["metrics"][name] for c in calls[i * 12:(i + 1) * 12]) / 12
                          for i in range(2)]
         got = [v for _, v in logged.get(f"losses/{name}", [])]
         checks.append((got == pytest.approx(per_iteration, rel=1e-5), f"losses/{name}: the mean "
-                       f"of the metric over each iteration's 12 minibatches, "
+                       f"of the metric over each iteration's 12 optimizer steps, "
                        f"{[f'{v:.6g}' for v in per_iteration]}; this copy logged "
                        f"{[f'{v:.6g}' for v in got]}"))
     grad_norms = [v for _, v in logged.get("losses/grad_norm", [])]
@@ -398,13 +411,13 @@ def test_the_loss_receives_gae_of_the_rollout(instrumented):
     training loss receives equal GAE of that iteration's rollout (its rewards, values and
     dones, bootstrapped from the value of the next observation), whatever the copy computes
     them with. Rows are matched through their rollout value (mb["values"])."""
-    calls, rollouts = loss_calls(instrumented), instrumented["rollouts"]
+    steps, rollouts = optimizer_steps(instrumented), instrumented["rollouts"]
     need(what="make_batch(agent, storage, next_obs, ...) with storage's rewards, values and "
          "dones (T, N), and Agent.get_action_and_value(next_obs) for the bootstrap value",
          problem=None if rollouts and "rewards" in rollouts[0] else "this copy has not")
-    args = calls[0]["args"]
-    per_iteration = len(calls) // len(rollouts)
-    gaps, rows = {"advantages": [], "returns": []}, 0
+    args = steps[0]["args"]
+    per_iteration = len(steps) // len(rollouts)
+    gaps, rows, hints = {"advantages": [], "returns": []}, 0, set()
     for i, rollout in enumerate(rollouts):
         advantages, returns = gae_of_record(rollout["rewards"], rollout["values"],
                                             rollout["dones"], rollout["next_value"],
@@ -412,15 +425,28 @@ def test_the_loss_receives_gae_of_the_rollout(instrumented):
         expected = {"advantages": advantages.flatten(), "returns": returns.flatten()}
         where = {round(float(v), 9): j for j, v in enumerate(rollout["values"].flatten())}
         assert len(where) == rollout["values"].numel(), "rollout values repeat: rows unmatched"
-        for call in calls[i * per_iteration:(i + 1) * per_iteration]:
-            got = call["targets"]
+        everything = expected["advantages"]
+        for step in steps[i * per_iteration:(i + 1) * per_iteration]:
             need(what="minibatch_loss's mb with 'values', 'advantages' and 'returns'",
-                 problem=None if len(got) == 3 else f"this copy's mb has {sorted(got)}")
+                 problem=None if all(len(c["targets"]) == 3 for c in step["calls"]) else
+                 f"this copy's mb has {sorted(step['calls'][0]['targets'])}")
+            got = {k: torch.cat([c["targets"][k] for c in step["calls"]])
+                   for k in ("values", "advantages", "returns")}
             index = torch.tensor([where.get(round(float(v), 9), -1) for v in got["values"]])
             assert (index >= 0).all(), "the minibatch's values are not the rollout's"
             rows += len(index)
-            for key in gaps:
-                gaps[key].append((got[key] - expected[key][index]).abs())
+            gaps["returns"].append((got["returns"] - expected["returns"][index]).abs())
+            gae = expected["advantages"][index]  # GAE, or GAE normalized over the minibatch the
+            normalized = (gae - gae.mean()) / (gae.std() + 1e-8)  # step learns from (before a
+            gaps["advantages"].append(min((got["advantages"] - gae).abs(),  # split into calls)
+                                          (got["advantages"] - normalized).abs(),
+                                          key=lambda g: float(g.max())))
+            if float(gaps["advantages"][-1].max()) > 1e-4 and args.norm_adv:
+                over_batch = (gae - everything.mean()) / (everything.std() + 1e-8)
+                if float((got["advantages"] - over_batch).abs().max()) <= 1e-4:
+                    hints.add("normalized over the whole batch, not per minibatch")
+                elif len(step["calls"]) > 1:
+                    hints.add("normalized over each loss call's rows, not over the minibatch")
     lines = []
     for key, parts in gaps.items():
         gap = torch.cat(parts)
@@ -428,7 +454,9 @@ def test_the_loss_receives_gae_of_the_rollout(instrumented):
             what = "returns (the value targets)" if key == "returns" else key
             lines.append(f"{what}: differ from GAE(gamma {args.gamma}, lambda {args.gae_lambda}) "
                          f"of the rollout by up to {gap.max():.4g} (mean {gap.mean():.4g}; "
-                         f"{int((gap > 1e-4).sum())} of {rows} minibatch rows)")
+                         f"{int((gap > 1e-4).sum())} of {rows} minibatch rows)" + (
+                             f"; advantage normalization: {', '.join(sorted(hints))}"
+                             if key == "advantages" and hints else ""))
     assert not lines, ("what the training loss receives is not GAE of record (CleanRL, "
                        "baselines ppo2):\n" + "\n".join(lines))
 
@@ -493,16 +521,17 @@ def test_target_kl_ends_the_update_after_the_epoch_that_crosses_it(workdir, monk
     """--target-kl: after each epoch, the last minibatch's approx_kl against it; above it, the
     update stops: with a target no KL stays under, each update is one epoch."""
     need("main")
-    calls, real = [], P.minibatch_loss
+    calls, real = [], torch.optim.Adam.step
 
-    def counting(*a, **kw):
+    def counting(self, *a, **kw):  # optimizer steps, however many loss calls each took
         calls.append(1)
-        return real(*a, **kw)
+        return real(self, *a, **kw)
 
-    monkeypatch.setattr(P, "minibatch_loss", counting)
+    monkeypatch.setattr(torch.optim.Adam, "step", counting)
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
                   total_timesteps=2 * 64, target_kl=1e-12))
-    assert len(calls) == 2 * 2, f"{len(calls)} minibatches: 2 iterations x 1 epoch x 2 expected"
+    assert len(calls) == 2 * 2, f"{len(calls)} optimizer steps: 2 iterations x 1 epoch x 2 " \
+        f"minibatches expected"
     calls.clear()
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
                   total_timesteps=2 * 64, target_kl=1e9))

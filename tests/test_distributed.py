@@ -39,15 +39,17 @@ if os.environ.get("RECORD"):  # this rank's env seed, and its first gradient bef
             torch.save({"local": grads, "reduced": [p.grad.clone() for p in agent.parameters()
                                                     if p.grad is not None]}, f"grads{rank}.pt")
     P.make_envs, P.all_reduce_gradients = make_envs, all_reduce_gradients
-if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its loss calls counted
-    real_loss, calls = P.minibatch_loss, []
+if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its optimizer steps counted
+    real_loss, real_step, calls = P.minibatch_loss, torch.optim.Adam.step, []
     kl = float(os.environ["KL_BY_RANK"].split(",")[int(rank)])
     def minibatch_loss(*a, **kw):
         loss, metrics = real_loss(*a, **kw)
+        return loss, metrics | {"approx_kl": torch.tensor(kl)}
+    def step(self, *a, **kw):
         calls.append(1)
         open(f"calls{rank}.txt", "w").write(str(len(calls)))
-        return loss, metrics | {"approx_kl": torch.tensor(kl)}
-    P.minibatch_loss = minibatch_loss
+        return real_step(self, *a, **kw)
+    P.minibatch_loss, torch.optim.Adam.step = minibatch_loss, step
 if __name__ == "__main__":  # spawned async workers import this file as their main module
     if os.environ.get("LATE_RANK") == rank:  # this rank starts seconds after the others
         import time; time.sleep(float(os.environ.get("LATE_BY", "3")))
@@ -134,7 +136,8 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     no epoch, on both ranks alike (a rank deciding alone would stop while the other goes on,
     and a sum would stop both)."""
     calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair)]
-    assert calls == [1 * 2 * 2] * 2, f"loss calls per rank {calls}: 1 iteration x 2 epochs x 2"
+    assert calls == [1 * 2 * 2] * 2, (f"optimizer steps per rank {calls}: 1 iteration x 2 "
+                                      f"epochs x 2 minibatches")
 
 
 def test_a_rank_that_starts_late_joins_when_init_returns_at_once(tmp_path):
