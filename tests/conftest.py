@@ -136,7 +136,8 @@ def _get_action_and_value():
         return problem
     out = agent.get_action_and_value(torch.zeros(3, *obs_shape(), dtype=torch.uint8))
     shapes = [tuple(t.shape) for t in out] if isinstance(out, tuple) else type(out).__name__
-    return None if shapes == [(3,)] * 4 else f"this copy's get_action_and_value returns {shapes}"
+    return None if isinstance(shapes, list) and shapes[:4] == [(3,)] * 4 else \
+        f"this copy's get_action_and_value returns {shapes}"  # values after the four: a fork's
 
 
 def _frame_stack():
@@ -192,7 +193,8 @@ SEAMS = {
     "Agent.forward": ("Agent(obs_shape, n_actions).forward(obs) -> (logits (B, n), value (B,))",
                       _forward),
     "Agent.get_action_and_value": ("Agent.get_action_and_value(obs, action=None) -> (action, "
-                                   "logprob, entropy, value), each (B,)", _get_action_and_value),
+                                   "logprob, entropy, value, ...), each (B,)",
+                                   _get_action_and_value),
     "Agent heads": ("Agent.network (the trunk), Agent.actor and Agent.critic (the heads)",
                     _heads),
     "ppo_loss": ("ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, "
@@ -353,7 +355,7 @@ def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
             "Agent.get_action_and_value"):
         with torch.no_grad():
             _, newlogprob, entropy, newvalue = agent.get_action_and_value(mb["obs"],
-                                                                           mb["actions"])
+                                                                           mb["actions"])[:4]
             entry["ratio_gap"] = (newlogprob - mb["logprobs"]).abs().max().item()
             entry["terms"] = reference_ppo_terms(newlogprob, entropy, newvalue, mb, float(clip),
                                                  args)

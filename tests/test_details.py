@@ -130,7 +130,7 @@ def test_entropy_is_that_of_the_categorical_policy():
         for p in agent.parameters():
             p.zero_()
     obs = torch.randint(0, 255, (8, *OBS), dtype=torch.uint8)
-    _, logprob, entropy, _ = agent.get_action_and_value(obs, torch.zeros(8, dtype=torch.long))
+    _, logprob, entropy, _ = agent.get_action_and_value(obs, torch.zeros(8, dtype=torch.long))[:4]
     expect((torch.allclose(entropy, torch.full((8,), math.log(4))), f"the policy of record is a "
             f"categorical over the actions (uniform here): entropy log 4 = {math.log(4):.4f}; "
             f"this copy's {entropy[0].item():.4f}"),
@@ -262,9 +262,25 @@ def test_biases_start_at_zero():
 
 
 def test_observations_are_scaled_to_unit_range():
-    need("Agent.forward", "Agent heads")
+    """What the network's first layers receive is the frames / 255: read at every convolution
+    that takes the observation's channels (one per trunk: separate actor and critic trunks are
+    each checked), else through Agent.network and the heads."""
+    need("Agent.forward")
     agent = P.Agent(OBS, 4)
     obs = torch.randint(0, 256, (3, *OBS), dtype=torch.uint8)
+    firsts = [m for m in agent.modules() if isinstance(m, nn.Conv2d) and m.in_channels == OBS[0]]
+    if firsts:
+        seen = []
+        for layer in firsts:
+            layer.register_forward_pre_hook(lambda m, i: seen.append(i[0].detach().float()))
+        with torch.no_grad():
+            agent(obs)
+        scaled = [torch.allclose(s, obs.float() / 255.0, atol=1e-6) for s in seen]
+        ranges = [f"[{float(s.min()):.3g}, {float(s.max()):.3g}]" for s in seen]
+        assert seen and all(scaled), ("frames are scaled to [0, 1] (x / 255) before the trunk "
+                                      f"(published); this copy's first layers receive {ranges}")
+        return
+    need("Agent heads")
     logits, value = agent(obs)
     hidden = agent.network(obs.float() / 255.0)
     expect((torch.allclose(value, agent.critic(hidden).squeeze(-1), atol=1e-6) and
@@ -474,7 +490,7 @@ def test_the_loss_of_record_far_from_ratio_one(instrumented):
     obs = torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=g)
     actions = torch.randint(0, 4, (n,), generator=g)
     with torch.no_grad():
-        _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)[:4]
     shift = torch.linspace(-3, 3, n)  # log-ratio: newlogprob - logprob
     signs = torch.tensor([1.0, -1.0]).repeat(n // 2)
     mb = {"obs": obs, "actions": actions, "logprobs": newlogprob - shift,
