@@ -278,7 +278,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("each rank gets its own envs' wrapper state back",
      'kept, first = saved.keys() - {"unsaved"}, rank * envs.num_envs',
      'kept, first = saved.keys() - {"unsaved"}, 0',
-     "test_distributed.py::test_each_rank_gets_its_own_envs_wrapper_state_back"),
+     "test_distributed.py::test_two_processes_train_in_step_stop_resume_and_evaluate"),
     ("a worker whose trainer is gone exits quietly",
      "        os._exit(0)  # or a second Ctrl-C", "        raise  # or a second Ctrl-C",
      "test_backends.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer"),

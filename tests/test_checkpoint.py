@@ -545,7 +545,7 @@ def test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_initializes_cuda(
     assert not asked, f"a --compile --no-cuda run initialized CUDA, asked by {asked}"
     assert torch.cuda.is_available is is_available and torch.cuda.is_available() and \
         torch.cuda._lazy_init is lazy_init, "after a --no-cuda run, the process lost its GPU"
-    P.main(tiny_args(total_timesteps=128, compile=True, precision="bf16", run_name="again"))
+    P.main(tiny_args(total_timesteps=64, run_name="again"))  # a second call, in one process
     assert not asked and torch.cuda.is_available(), f"the second call: {asked}"
     saved = P.load_checkpoint("runs/compiled/agent.pt")["model"]
     assert list(saved) == list(P.Agent(OBS, 4).state_dict()), "torch.compile prefixes saved"

@@ -27,6 +27,20 @@ if os.environ.get("FREEZE"):
             next(m for m in self.modules() if list(m.parameters(False))).requires_grad_(False)
     P.Agent = Frozen
 rank = os.environ["RANK"]
+if os.environ.get("TALLY"):  # a fork's wrapper state that differs by rank: r + 1 a step
+    import gymnasium as gym, numpy as np
+    class Tally(gym.Wrapper):
+        def __init__(self, env):
+            super().__init__(env)
+            self.by, self.steps_state = 1 + int(os.environ["RANK"]), np.zeros(1, np.int64)
+        def step(self, action):
+            self.steps_state += self.by
+            return self.env.step(action)
+    real_make_env = P.make_env
+    def make_env(*a, **kw):
+        thunk = real_make_env(*a, **kw)
+        return lambda: Tally(thunk())
+    P.make_env = make_env
 if os.environ.get("RECORD"):  # this rank's env seed, and its first gradient before/after the mean
     real_envs, real_reduce = P.make_envs, P.all_reduce_gradients
     def make_envs(args, seed, *a, **kw):
@@ -164,11 +178,14 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     spawned after the process group; once more it has nothing to train and each rank leaves
     its group destroyed; rank 0 alone evaluates. The Agent's first layer is frozen throughout:
     parameters without a gradient (frozen, or an unused head) are left out of the all-reduce
-    instead of crashing it, and stay as they were."""
+    instead of crashing it, and stay as they were. Each env also carries a fork's wrapper whose
+    state differs by rank: the checkpoint holds every rank's envs' (rank 0's first) and the
+    resume gives each rank its own back, so both counts go on (rank 1 does not take rank 0's).
+    Two processes of one node: what it cannot show is two nodes."""
     (tmp_path / "harness.py").write_text(HARNESS)
     # 2 ranks x 2 envs x 32 steps = 128 steps an iteration; 4 iterations, then a stop
     out = torchrun(tmp_path, *TINY, "--total-timesteps", "640", "--stop-at-step", "512",
-                   env={"FREEZE": "1"})
+                   env={"FREEZE": "1", "TALLY": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
@@ -179,6 +196,9 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     ckpt = P.load_checkpoint(run)
     assert ckpt["global_step"] == 512
     assert all(torch.equal(ckpt["model"][k], r0[k]) for k in r0)  # rank 0 saved its own
+    tallies = lambda: [int(P.from_saved(v)[0]) for v in  # noqa: E731  (per env, rank 0's first)
+                       P.load_checkpoint(run)["env_statistics"]["Tally.steps_state"]]
+    assert tallies() == [128, 128, 256, 256], tallies()
     line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
     command = shlex.split(line.split(" with: ", 1)[1])
     at = next(i for i, token in enumerate(command) if token.endswith("harness.py"))
@@ -188,7 +208,7 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
 
     for backend in ("async", "sync"):  # the rest of the run, then nothing left to train
         out = torchrun(tmp_path, *command[at + 1:], "--env-backend", backend,
-                       env={"FREEZE": "1"})
+                       env={"FREEZE": "1", "TALLY": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
         assert [(tmp_path / f"group{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2, \
             "a rank returned with its process group still initialized"
@@ -196,6 +216,7 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
     assert P.load_checkpoint(run)["global_step"] == 640
+    assert tallies() == [160, 160, 320, 320], f"each rank's own count, continued: {tallies()}"
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [128, 256, 384, 512, 640]
     assert run_dirs(tmp_path) == [run]
     torch.manual_seed(1)  # rank 0's seed: its initial weights are broadcast to every rank
@@ -214,40 +235,3 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("game 1: score") == 1
     assert "over 1 game (agent at step 640)" in out.stdout
-
-
-RANKED_TALLY = """
-class Tally(gym.Wrapper):
-    \"\"\"A fork's stateful wrapper whose count differs by rank (rank r counts r + 1 a step).\"\"\"
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.by, self.steps_state = 1 + int(os.environ.get("RANK", "0")), np.zeros(1, np.int64)
-
-    def step(self, action):
-        self.steps_state += self.by
-        return self.env.step(action)
-
-
-"""
-
-
-def test_each_rank_gets_its_own_envs_wrapper_state_back(tmp_path):
-    """Two ranks whose envs' wrapper state differs: the checkpoint holds every rank's envs (rank
-    0's first) and a resume gives each rank its own back, so both counts go on (rank 1 does
-    not take rank 0's). Two processes of one node: what it cannot show is two nodes."""
-    line = "        env = ClipReward(env)\n"
-    source = open(SCRIPT).read()
-    need(what="make_env's line `env = ClipReward(env)`, which the test wraps",
-         problem=None if source.count(line) == 1 else "this copy lacks it")
-    source = source.replace(line, "        env = ClipReward(Tally(env))\n")
-    (tmp_path / "tally.py").write_text(source.replace("def make_env(",
-                                                      RANKED_TALLY + "def make_env("))
-    args = [*TINY, "--total-timesteps", "256", "--run-name", "tally"]
-    for stop, expected in ((["--stop-at-step", "128"], [32, 32, 64, 64]),
-                           ([], [64, 64, 128, 128])):
-        out = torchrun(tmp_path, *args, *stop, script="tally.py")
-        assert out.returncode == 0, out.stderr[-3000:]
-        saved = P.load_checkpoint(str(tmp_path / "runs" / "tally"))["env_statistics"]
-        counts = [int(P.from_saved(v)[0]) for v in saved["Tally.steps_state"]]
-        assert counts == expected, f"per env, rank 0's first: {counts}, expected {expected}"
