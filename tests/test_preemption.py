@@ -389,16 +389,14 @@ def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
 
 
-@pytest.mark.parametrize("stop", ["SIGTERM to the agent", "Ctrl-C to the group"])
-def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path,
-                                                                                 stop):
+def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):
     """torchrun --standalone, two ranks with async envs, SIGTERM to the agent (a scheduler's
-    stop) or Ctrl-C to the process group (a terminal's): each rank finishes its iteration, rank
-    0 writes the checkpoint and prints the line that continues the run (torchrun's own
-    --standalone in it); no worker traceback, no leaked-resource warning, every process of the
-    job gone. The agent itself exits 1 with its SignalException traceback: torch's elastic agent
-    raises it after passing the signal on (torch 2.13), which the file cannot change; README
-    says so. Not shown: two agents as two nodes."""
+    stop): each rank finishes its iteration, rank 0 writes the checkpoint and prints the line
+    that continues the run (torchrun's own --standalone in it); no worker traceback, no
+    leaked-resource warning, every process of the job gone. The agent itself exits 1 with its
+    SignalException traceback: torch's elastic agent raises it after passing the signal on
+    (torch 2.13), which the file cannot change; README says so. Ctrl-C under torchrun: the
+    two-node test below."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          SCRIPT, *TINY, "--total-timesteps", "100000", "--env-backend", "async",
@@ -408,10 +406,7 @@ def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process
         for line in proc.stdout:
             if line.startswith("step "):
                 break
-        if stop == "SIGTERM to the agent":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -423,3 +418,50 @@ def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process
     (resume,) = [x.split("resume with: ", 1)[1] for x in out.splitlines() if "resume with: " in x]
     assert resume.startswith("torchrun --standalone --nproc_per_node 2 "), resume
     assert P.load_checkpoint(str(tmp_path / "runs" / "tr"))["global_step"] >= 2 * ITER
+
+
+def test_a_two_node_torchrun_job_stopped_with_async_workers(tmp_path):
+    """Two torchrun agents as two nodes (one rank each, async envs, node-local folders), one
+    stopped by SIGTERM to its agent (a scheduler's), the other by Ctrl-C to its process group (a
+    terminal's): rank 0 writes the checkpoint and prints the line that continues the run with
+    the rendezvous options it was started with; no worker traceback or leaked-resource warning
+    on either node, no process of either left. Each agent exits 1 (torch's SignalException, as
+    README says)."""
+    port, agents, logs = free_port(), [], []
+    for node in (0, 1):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir()
+        logs.append((open(folder / "out.txt", "w+"), open(folder / "err.txt", "w+")))
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+             "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", SCRIPT,
+             *TINY, "--total-timesteps", "100000", "--env-backend", "async", "--run-name", "mn",
+             "--dist-timeout", "60"], cwd=folder, stdout=logs[-1][0], stderr=logs[-1][1],
+            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    try:
+        deadline = time.time() + 200
+        while time.time() < deadline and not any(
+                "step " in (tmp_path / f"node{n}" / "out.txt").read_text() for n in (0, 1)):
+            time.sleep(0.2)
+        agents[0].send_signal(signal.SIGTERM)
+        os.killpg(agents[1].pid, signal.SIGINT)
+        for agent in agents:
+            agent.wait(timeout=120)
+    finally:
+        for agent in agents:
+            agent.kill()
+    for agent in agents:
+        assert not left_in_session(agent.pid), "processes of a node outlived its agent"
+    outs = [(tmp_path / f"node{n}" / "out.txt").read_text() for n in (0, 1)]
+    errs = [(tmp_path / f"node{n}" / "err.txt").read_text() for n in (0, 1)]
+    for agent, err in zip(agents, errs):
+        assert agent.returncode == 1 and "SignalException" in err, (agent.returncode, err[-2000:])
+        ours = "\n".join(x for x in err.splitlines() if "torch/distributed" not in x)
+        for noise in ("_async_worker", "BrokenPipeError", "EOFError", "leaked"):
+            assert noise not in ours, err[-3000:]
+    (resume,) = [x.split("resume with: ", 1)[1] for out in outs for x in out.splitlines()
+                 if "resume with: " in x]
+    assert resume.startswith(f"torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
+                             f"--rdzv_endpoint 127.0.0.1:{port} "), resume
+    (run,) = [tmp_path / f"node{n}" / "runs" / "mn" for n in (0, 1) if "resume with" in outs[n]]
+    assert P.load_checkpoint(str(run))["global_step"] >= 2 * ITER
