@@ -14,7 +14,6 @@ import atexit
 import collections
 import dataclasses
 import datetime
-import difflib
 import gc
 import importlib.util
 import multiprocessing.resource_tracker
@@ -680,28 +679,15 @@ def check_args(args: Args, world_size: int = 1):
 def check_env_id(env_id: str):
     """Only ALE image ids with the settings of record: NoFrameskip-v4 (no sticky actions) and
     ALE/...-v5 (sticky actions 0.25); -v4 (random frame skip) and -v0 (sticky) are refused."""
-    def game(name):  # 'ALE/Pong-v5', 'PongNoFrameskip-v4', 'PongDeterministic-v4' -> 'pong'
-        name = name.removeprefix("ALE/").split("-")[0]
-        return name.removesuffix("NoFrameskip").removesuffix("Deterministic").lower()
-
-    def wanted(name):
-        return name.endswith("NoFrameskip-v4") or (name.startswith("ALE/") and name.endswith("-v5"))
-
-    if env_id not in gym.registry:  # suggest an id of the family asked for (ALE/...-v5 or not)
-        family = {n.lower(): n for n in gym.registry
-                  if wanted(n) and n.startswith("ALE/") == env_id.startswith("ALE/")}
-        close = difflib.get_close_matches(env_id.lower(), list(family), 1, 0.8)  # a typo
-        if not close:  # the game's name alone, or another version of it
-            games = {game(name): low for low, name in family.items()}
-            close = [games[g] for g in difflib.get_close_matches(game(env_id), games, 1, 0.75)]
-        hint = f"did you mean {family[close[0]]}?" if close else \
-            "e.g. BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
-        fail(f"unknown --env-id {env_id!r}; {hint}")
-    spec = gym.spec(env_id)
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as e:  # gymnasium's message names the unknown part, with a guess
+        fail(f"unknown --env-id {env_id!r}: {str(e).strip()} (ids of record look like "
+             f"BreakoutNoFrameskip-v4 or ALE/Breakout-v5)")
     if "ale_py" not in str(spec.entry_point) or spec.kwargs.get("obs_type", "rgb") != "rgb":
         fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
              f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
-    if not wanted(env_id):
+    if not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):  # ALE/: v5 only
         name = env_id.split("-")[0].removesuffix("NoFrameskip")
         what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
         what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
@@ -716,12 +702,7 @@ class VideoRecorder(gym.Wrapper):
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
         self.folder, self.every_game, self.writer = folder, every_game, None
-        # the games env 0 has started, which name the videos: a checkpoint keeps the count (and
-        # env 0's finished games, so a resume that adds --capture-video numbers on too); with
-        # neither, numbered on after the videos already there
-        names = os.listdir(folder) if os.path.isdir(folder) else []
-        self.games_state = 1 + max((int(n[5:-4]) for n in names if n.startswith("game-") and
-                                    n.endswith(".mp4") and n[5:-4].isdigit()), default=-1)
+        self.games_state = 0  # the games started, which name the videos: checkpoints keep it
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
@@ -756,13 +737,10 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async(env_worker) with the async workers born with Ctrl-C and SIGTERM blocked (the
-    process group gets them; the trainer decides when to stop). Spawned: forked CUDA/NCCL is
-    unsafe. The resource tracker starts first, as starting it unblocks signals, with its stderr
-    on /dev/null (after a SIGKILL of the trainer it frees what the run held, without a
-    warning); the exit hook before the workers, so that a failure while they start cannot hang
-    the exit. Meanwhile a thread that does not block the signals receives them, so that the
-    handler still sees each Ctrl-C (a second one exits at once)."""
+    """make_async(env_worker), the workers (spawned: forked CUDA is unsafe) born with Ctrl-C and
+    SIGTERM blocked: the trainer decides when to stop. The exit hook first (a failure while they
+    start must not hang the exit); the resource tracker before the mask (starting it unblocks),
+    silent (after a SIGKILL of the trainer it frees the run's semaphores without a warning)."""
     atexit.unregister(kill_workers)  # once per process, however many runs it starts
     atexit.register(kill_workers)
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -773,8 +751,8 @@ def start_workers(make_async):
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(devnull)
-    started = threading.Event()
-    threading.Thread(target=started.wait, daemon=True).start()  # before the mask: unblocked
+    started = threading.Event()  # a thread with signals unblocked: Ctrl-C is still seen
+    threading.Thread(target=started.wait, daemon=True).start()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return make_async(env_worker)
@@ -784,10 +762,8 @@ def start_workers(make_async):
 
 
 def env_worker(index, env_fn, *args, **kwargs):
-    """An async env's process: gymnasium's worker loop, ignoring Ctrl-C and SIGTERM (it ends
-    when the trainer closes its pipe), with one OpenCV thread (a core per worker at most). Its
-    env answers envs.call("layers_get") with its layer_state and "layers_set" with its own
-    entry of a list of states."""
+    """An async env's process: gymnasium's worker loop, deaf to Ctrl-C and SIGTERM, one OpenCV
+    thread; envs.call("layers_get"/"layers_set") reads or sets its env's wrapper state."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
@@ -818,8 +794,7 @@ def usable_cores() -> int:
 
 def choose_backend(args: Args, use_cuda: bool | None = None,
                    local_processes: int | None = None) -> str:
-    """auto: async only on CUDA with 4+ cores per process (on a CPU the envs and the network share
-    the cores: sync is faster). None: this machine's CUDA, torchrun's local processes."""
+    """auto: async only on CUDA with 4+ cores per process (on a CPU, sync is faster)."""
     if args.env_backend != "auto":
         return args.env_backend
     use_cuda = args.cuda and torch.cuda.is_available() if use_cuda is None else use_cuda
@@ -860,9 +835,9 @@ def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) 
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
-    """init_process_group through torchrun's store, under a prefix per start of the workers (a
-    restarted worker would wait on the dead ones' addresses): rank 0 numbers the starts and beats
-    until all ranks check in, whether init blocks or not (NCCL's does not). Waits: timeout_s."""
+    """init_process_group through torchrun's store, under a prefix per start of the workers
+    (restarted ones would wait on dead addresses): rank 0 numbers the starts and beats until
+    every rank checks in, whether init blocks or not (NCCL's does not)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -919,8 +894,7 @@ def all_reduce_gradients(agent: nn.Module, world_size: int):
 
 
 def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
-    """resolve_run on rank 0 alone, its answer (or exit code) sent to every rank: rank 0's runs/
-    folder may be the only one that holds the checkpoint (node-local disks)."""
+    """resolve_run on rank 0 alone (node-local disks), its answer or exit code sent to all."""
     if world_size == 1:
         return resolve_run(args, explicit, world_size)
     try:
@@ -935,13 +909,15 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
     return box[0]
 
 
-def map_tensors(obj, fn):
-    """obj (nested dicts, lists and tuples) with fn applied to every tensor in it."""
+def map_tensors(obj, fn, is_leaf=torch.is_tensor):
+    """obj (nested dicts, lists and tuples) with fn applied to every tensor (is_leaf) in it."""
+    if is_leaf(obj):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn, is_leaf) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return fn(obj) if isinstance(obj, torch.Tensor) else obj
+        return type(obj)(map_tensors(v, fn, is_leaf) for v in obj)
+    return obj
 
 
 def rng_state(device: torch.device) -> dict:
@@ -952,15 +928,13 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device):
     torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    cuda = (cuda[0] if cuda else None) if isinstance(cuda, list) else cuda  # older: one per GPU
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def write_atomically(path: str, state: dict):
-    """A temporary file, flushed to disk, renamed over the old one: a crash at any point leaves
-    the old or the new file, whole. CPU tensors only: torch.load works without the GPU."""
+    """Written to a temporary file, flushed, renamed over the old: a crash leaves one whole file.
+    CPU tensors only: torch.load works without the GPU."""
     with open(path + ".tmp", "wb") as f:
         torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
         f.flush()
@@ -969,8 +943,7 @@ def write_atomically(path: str, state: dict):
 
 
 def load_checkpoint(path: str) -> dict:
-    """A checkpoint file, or a run folder's checkpoint.pt, with "run_dir" (its folder) added.
-    weights_only=True: tensors and plain types only, so a crafted pickle cannot run code."""
+    """A checkpoint file or a run folder's, with "run_dir" added; weights only: no pickled code."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}; pass a run folder or a .pt file written by this script")
@@ -985,8 +958,7 @@ def load_checkpoint(path: str) -> dict:
 
 
 def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
-    """Loads weights, or fails with one line naming the first tensor whose shape differs (another
-    game's action set, network or frame size), whatever the network's attribute names."""
+    """Loads weights, or fails in one line naming the first tensor whose shape differs."""
     own, saved = agent.state_dict(), state["model"]
     for name in [*own, *(k for k in saved if k not in own)]:
         mine, theirs = (tuple(d[name].shape) if name in d else None for d in (own, saved))
@@ -998,8 +970,7 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
 
 
 def wrapper_layers(env):
-    """(name, layer) for each layer of one env, outermost first; a class's second layer in the
-    chain is Class#2, its third Class#3."""
+    """(name, layer) for each layer of one env, outermost first; a class's second is Class#2."""
     seen, layer = collections.Counter(), env
     while isinstance(layer, gym.Env):
         seen[kind := type(layer).__name__] += 1
@@ -1008,50 +979,35 @@ def wrapper_layers(env):
 
 
 def to_saved(value):
-    """numpy arrays and scalars (numbers, bools) as tensors a weights-only load accepts."""
-    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biuf":
-        return {"__numpy__": torch.from_numpy(np.array(value)),
-                "scalar": isinstance(value, np.generic)}
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(to_saved, value))
-    return {k: to_saved(v) for k, v in value.items()} if isinstance(value, dict) else value
+    """value with numpy arrays and scalars as tensors, which a weights-only load accepts."""
+    return map_tensors(value, lambda a: {"__numpy__": torch.from_numpy(np.array(a)),
+                                         "scalar": isinstance(a, np.generic)},
+                       lambda v: isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf")
 
 
 def from_saved(value):
     """to_saved's inverse: numpy comes back as numpy, of the same dtype."""
-    if isinstance(value, dict) and "__numpy__" in value:
-        array = value["__numpy__"].numpy()
-        return array[()] if value["scalar"] else array
-    if isinstance(value, (list, tuple)):
-        return type(value)(map(from_saved, value))
-    return {k: from_saved(v) for k, v in value.items()} if isinstance(value, dict) else value
+    return map_tensors(value, lambda d: d["__numpy__"].numpy()[()] if d["scalar"] else
+                       d["__numpy__"].numpy(), lambda v: isinstance(v, dict) and "__numpy__" in v)
 
 
 def layer_state(env) -> dict:
-    """One env's wrapper state, by layer ("Layer.attr"): "state", what a checkpoint keeps
-    (gymnasium's running statistics, attributes named *_state); "refused", *_state values a
-    checkpoint cannot hold (their type); "numbers", other wrappers' plain numbers, which a
-    resume cannot continue. Async workers run it in their process (env_worker)."""
-    one_game = {"EpisodicLife.lives"}  # the file's own wrappers' state that is one game's
+    """One env's wrapper state by "Layer.attr": "state" to keep (*_state attributes, running
+    statistics, games played), "refused" (unsavable *_state: its type), "numbers" (the other
+    numbers of the wrappers not gymnasium's or ale-py's: a resume names those that changed)."""
     out = {"state": {}, "refused": {}, "numbers": {}}
     for name, layer in wrapper_layers(env):
         for attr, value in vars(layer).items():
-            key = f"{name}.{attr}"
-            if callable(value):  # layers_get, layers_set (env_worker)
-                continue
-            if isinstance(value, RunningMeanStd):
-                out["state"][key] = {"mean": torch.as_tensor(value.mean),
-                                     "var": torch.as_tensor(value.var), "count": float(value.count)}
-            elif attr.endswith("_state") or isinstance(
-                    layer, gym.wrappers.RecordEpisodeStatistics) and attr == "episode_count":
-                saved = to_saved(value)  # (the finished games: a new video count starts there)
+            key, rms = f"{name}.{attr}", isinstance(value, RunningMeanStd)
+            if attr.endswith("_state") or rms or key == "RecordEpisodeStatistics.episode_count":
+                saved = to_saved(vars(value) if rms else value)
                 out["state" if checkpointable(saved) else "refused"][key] = \
                     saved if checkpointable(saved) else type(value).__name__
-            elif f"{type(layer).__name__}.{attr}" not in one_game and \
-                    not isinstance(value, bool) and \
-                    isinstance(value, (int, float, np.ndarray, torch.Tensor)) and \
-                    type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py"):
-                out["numbers"][key] = value
+            elif isinstance(value, (int, float, np.ndarray, torch.Tensor)) and not isinstance(
+                    value, bool) and key != "EpisodicLife.lives" and checkpointable(saved := (
+                    to_saved(value))) and type(layer).__module__.split(".")[0] not in (
+                    "gymnasium", "ale_py"):  # (the lives are one game's)
+                out["numbers"][key] = saved
     return out
 
 
@@ -1059,13 +1015,11 @@ def set_layer_state(env, state: dict):
     """Sets one env's layers' state back from layer_state's "state"."""
     for name, layer in wrapper_layers(env):
         for attr, value in list(vars(layer).items()):
-            if (saved := state.get(f"{name}.{attr}")) is None:
-                continue
-            if isinstance(value, RunningMeanStd):
-                value.mean, value.var = saved["mean"].numpy(), saved["var"].numpy()
-                value.count = saved["count"]
-            else:
-                setattr(layer, attr, from_saved(saved))
+            if (saved := state.get(f"{name}.{attr}")) is not None:
+                if isinstance(value, RunningMeanStd):
+                    vars(value).update(from_saved(saved))
+                else:
+                    setattr(layer, attr, from_saved(saved))
 
 
 def env_layer_states(envs) -> list[dict]:
@@ -1076,10 +1030,8 @@ def env_layer_states(envs) -> list[dict]:
 
 
 def wrapper_statistics(envs, world_size: int = 1) -> dict:
-    """The wrappers' state a checkpoint keeps: {"Layer.attr": [each env's value, None where the
-    env lacks that layer]}, under torchrun every rank's envs in rank order (every rank calls it);
-    "unsaved": other wrappers' numbers that have changed. A *_state value a checkpoint cannot
-    hold stops the run here, in one line (the first checkpoint is made before any iteration)."""
+    """{"Layer.attr": [each env's value or None], "numbers": env 0's}, every rank's envs in rank
+    order (all ranks call it). An unsavable *_state stops the run at the first checkpoint."""
     states = env_layer_states(envs)
     for i, env in enumerate(states):
         for key, kind in list(env["refused"].items())[:1]:
@@ -1087,26 +1039,20 @@ def wrapper_statistics(envs, world_size: int = 1) -> dict:
             fail(f"env {i}'s wrapper state {key} is a {kind}, which a checkpoint cannot hold: "
                  f"keep *_state attributes as numpy arrays, tensors, numbers, str, None, or "
                  f"lists, tuples and dicts of them")
-    fresh = envs.env_fns[0]()
-    unchanged = layer_state(fresh)["numbers"]
-    fresh.close()
-    unsaved = [key.replace("#", "") for key, v in states[0]["numbers"].items()
-               if key not in unchanged or not np.array_equal(np.asarray(v),
-                                                             np.asarray(unchanged[key]))]
+    numbers = states[0]["numbers"]
     if world_size > 1:  # every rank's envs, rank 0's first
         gathered = [None] * world_size
         dist.all_gather_object(gathered, states)
         states = [env for part in gathered for env in part]
     keys = dict.fromkeys(key for env in states for key in env["state"])
-    saved = {key: [env["state"].get(key) for env in states] for key in keys}
-    return saved | ({"unsaved": unsaved} if unsaved else {})
+    return {key: [env["state"].get(key) for env in states] for key in keys} | {"numbers": numbers}
 
 
 def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
-    """Sets each env's wrapper state back to the checkpoint's (this rank's envs'), and says in
-    one line what it cannot: state only one side has, or that was never saved."""
-    now = {key for env in env_layer_states(envs) for key in env["state"]}
-    kept, first = saved.keys() - {"unsaved"}, rank * envs.num_envs
+    """Sets this rank's envs' wrapper state back; names in one line what it cannot restore."""
+    fresh = env_layer_states(envs)
+    now, numbers = {key for env in fresh for key in env["state"]}, saved.get("numbers", {})
+    kept, first = saved.keys() - {"numbers"}, rank * envs.num_envs
     states = [{key: saved[key][first + i] for key in now & kept if first + i < len(saved[key])}
               for i in range(envs.num_envs)]
     count, games = "VideoRecorder.games_state", "RecordEpisodeStatistics.episode_count"
@@ -1117,15 +1063,16 @@ def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
             set_layer_state(env, state)
     else:  # each worker takes its own env's
         envs.call("layers_set", states)
-    if lost := sorted(now ^ kept) + saved.get("unsaved", []):
+    lost = sorted(now ^ kept) + [key for key, value in numbers.items() if not np.array_equal(
+        from_saved(value), from_saved(fresh[0]["numbers"].get(key)))]
+    if lost:
         print(f"note: env wrapper state {lost} is not restored (starts afresh): the checkpoint or "
               f"these envs lack it; resumes keep a wrapper's *_state attributes", flush=True)
 
 
 def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
             seed: int):
-    """A resume: weights, Adam's state, RNG, env wrappers' running statistics, the fork's carry
-    (tensors on the training device), recent returns. Then every rank takes rank 0's weights."""
+    """A resume: weights, Adam, RNG, wrapper state, carry, recent returns; rank 0's weights."""
     if ckpt is not None:
         restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)
         load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
@@ -1142,8 +1089,7 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
 
 def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env_state: dict,
               carry: dict):
-    """Rank 0: says where the run goes, writes a new run's checkpoint first (before any other
-    file), and opens the TensorBoard writer (and wandb)."""
+    """Rank 0: says where the run goes, writes a new run's checkpoint first, opens the writer."""
     shown = shown_path(run_dir)
     print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
@@ -1173,9 +1119,7 @@ def checkpointable(obj) -> bool:
 
 def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
                     global_step: int, iteration: int, recent, carry: dict):
-    """checkpoint.pt: everything a resume continues (weights, Adam, args, counters, RNG, the
-    last 100 games' returns, env wrappers' state (wrapper_statistics), the fork's carry),
-    written atomically."""
+    """checkpoint.pt, written atomically: everything a resume continues (see restore)."""
     for key in [k for k, v in carry.items() if not checkpointable(v)][:1]:
         fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
              f"keep it as tensors, numbers, str, None, or lists, tuples and dicts of them")
@@ -1194,27 +1138,23 @@ def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool
 
 
 def torchrun_options(script: str) -> list[str] | None:
-    """torchrun's own options as its agent, this process's parent, was started (--standalone,
-    the rendezvous ones); None where the parent is not torchrun or cannot be read."""
+    """torchrun's own options as its agent (this process's parent) was started; None where the
+    parent is not torchrun or cannot be read."""
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")[:-1]
     except OSError:
         return None
-    for i, token in enumerate(argv):
-        if token.endswith(("torchrun", "torch.distributed.run")):
-            rest = argv[i + 1:]
-            name = os.path.basename(script)
-            ends = [j for j, token in enumerate(rest) if os.path.basename(token) == name]
-            return rest[:ends[0]] if ends else None
-    return None
+    start = next((i for i, a in enumerate(argv) if a.endswith(("torchrun", "distributed.run"))), -1)
+    end = next((i for i, a in enumerate(argv) if i > start >= 0 and
+                os.path.basename(a) == os.path.basename(script)), None)
+    return None if end is None else argv[start + 1:end]
 
 
 def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: bool,
                         stopped_early: bool, world_size: int):
     """Where the run is and, if it stopped early, the line that continues it here: the same
-    launcher and its options (under torchrun as many processes: a checkpoint continues with the
-    world that wrote it), and the launch-only options this launch was given (not saved)."""
+    launcher and its options, and the launch-only options this launch was given (unsaved)."""
     shown, local = shown_path(run_dir), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
@@ -1246,8 +1186,7 @@ def close(envs, writer):
 
 
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
-    """Checks a checkpoint against this launch and says what resuming does; True: there is
-    nothing to train (the run has reached --total-timesteps or --stop-at-step)."""
+    """Checks a checkpoint against this launch and says what resuming does; True: nothing to do."""
     done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
     if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
         n = step // (done * local_batch)
@@ -1266,23 +1205,19 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
               f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
               f"continue to {args.total_timesteps:,}", flush=True)
         return True
-    lr_old, lr_new = (schedule(done + 1, total // batch, args)[0]  # the next iteration's
-                      for total in (saved.total_timesteps, args.total_timesteps))
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
             f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")
-    if args.anneal_lr and saved.total_timesteps != args.total_timesteps:
-        line += (f"; --total-timesteps changed from {saved.total_timesteps:,}: the learning-"
-                 f"rate{' and clip' if args.anneal_clip else ''} schedule is re-planned over the "
-                 f"new total ({lr_old:.3g} -> {lr_new:.3g} now, 0 at the end)")
-    elif args.anneal_lr:
-        line += f"; the learning rate goes on along its schedule ({lr_new:.3g} now)"
+    if saved.total_timesteps != args.total_timesteps:
+        line += f"; --total-timesteps changed from {saved.total_timesteps:,}: schedules re-planned"
+    if args.anneal_lr:  # the next iteration's, by the schedule the loop uses
+        line += f"; learning rate {schedule(done + 1, iterations, args)[0]:.3g} now"
     print(line, flush=True)
     return False
 
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """A new run: (args, None); a run to continue (--resume, or --run-name with a checkpoint): its
-    args with this launch's overrides, and the checkpoint; nothing to train: (None, None)."""
+    """(args, None) for a new run; (its args with this launch's overrides, checkpoint) for a run
+    to continue (--resume, or --run-name with a checkpoint); (None, None): nothing to train."""
     name = args.run_name
     if args.resume is None and name is not None:  # every run writes its checkpoint first
         folder = os.path.join("runs", name)
@@ -1313,8 +1248,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def catch_stop_signals() -> tuple[list, dict]:
-    """First Ctrl-C or SIGTERM: appended to the returned list (stop at the iteration's end); second
-    Ctrl-C: exit at once; ignored at start (`cmd &`): stays so. Returns (list, old handlers)."""
+    """First Ctrl-C or SIGTERM: appended to the list returned (stop at the iteration's end); a
+    second Ctrl-C exits at once; a signal ignored at start (`cmd &`) stays so."""
     stop = []
 
     def on_signal(signum, frame):
@@ -1335,8 +1270,8 @@ def shown_path(path: str) -> str:
 
 
 def evaluate(args: Args, device: torch.device, explicit: set[str]):
-    """Plays full games (all lives, raw score) with a saved agent and reports their scores."""
-    torch.manual_seed(args.seed)  # the actions sampled: the same command plays the same games
+    """Plays full games (all lives, raw score) with a saved agent; the same command, the same."""
+    torch.manual_seed(args.seed)  # the actions sampled
     path, state = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
     # another id of the same game (ROM, actions): ALE/Game-v5 adds sticky actions (Machado 2018)
@@ -1375,9 +1310,8 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
 
 
 def main(args: Args, explicit: set[str] | None = None):
-    """Trains, or with --eval-checkpoint evaluates; returns the trained agent (None: nothing to
-    train). Ctrl-C and SIGTERM are caught from main's first instant to its return. explicit:
-    the fields given on the command line; from Python (None), those unlike the defaults."""
+    """Trains (returns the agent; None: nothing to train) or evaluates; Ctrl-C and SIGTERM are
+    caught throughout. explicit: the fields given on the command line (None: not default)."""
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}

@@ -56,26 +56,23 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     assert not os.path.exists(path + ".tmp")
 
 
-def test_cuda_rng_of_more_gpus_than_this_node_has_still_resumes(monkeypatch):
-    """A job requeued onto a node with fewer visible GPUs: the checkpoint's CUDA RNG (older ones
-    hold one state per GPU of the old node) restores the training device's RNG only."""
+def test_a_checkpoint_holds_and_restores_the_training_devices_cuda_rng(monkeypatch):
+    """A job requeued onto a node with fewer visible GPUs: a checkpoint holds the training
+    device's CUDA RNG only (not one state per GPU of the old node), and a resume sets that
+    device's. A patched torch.cuda stands in: it cannot show a real GPU's generator."""
     restored = []
-
-    def set_all(states):  # what torch does with more states than devices
-        if len(states) > 1:
-            raise IndexError("list index out of range")
-        restored.extend(states)
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda s, device="cuda": restored.append((s, device)))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.ones(4))
-    states = [torch.full((4,), float(i)) for i in range(3)]
-    P.set_rng_state({"torch": torch.get_rng_state(), "cuda": states}, torch.device("cuda"))
-    assert len(restored) == 1 and torch.equal(restored[0], states[0])
-    saved = P.rng_state(torch.device("cuda"))  # the training device's state only, not one per GPU
+    saved = P.rng_state(torch.device("cuda", 0))
     assert torch.equal(saved["cuda"], torch.ones(4))
+    P.set_rng_state(saved, torch.device("cuda", 0))
+    assert len(restored) == 1 and torch.equal(restored[0][0], torch.ones(4)) and \
+        restored[0][1] == torch.device("cuda", 0)
+    P.set_rng_state(saved, torch.device("cpu"))  # a resume on the CPU leaves CUDA alone
+    assert len(restored) == 1
 
 
 def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -151,7 +148,7 @@ def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(wor
                          cwd=workdir)
     assert out.returncode == 0, out.stderr
     assert "at step 64 of 128 (1 iteration left); --total-timesteps changed from 64" in out.stdout
-    assert "schedule is re-planned over the new total (0 -> 0.000125 now" in out.stdout
+    assert "from 64: schedules re-planned; learning rate 0.000125 now" in out.stdout
     assert P.load_checkpoint(run)["global_step"] == 128
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [64, 128]
     lr = scalars(run, raw=True)["charts/learning_rate"]
@@ -632,7 +629,7 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
 def by_attribute(saved: dict, attr: str) -> list:
     """The checkpoint's per-env values of the one wrapper layer that has `attr` ("Layer.attr")."""
     (key,) = [k for k in saved if k.endswith(f".{attr}")]
-    return saved[key]
+    return [P.from_saved(v) for v in saved[key]]
 
 
 def test_env_wrapper_statistics_survive_a_resume(workdir, monkeypatch):
@@ -748,6 +745,6 @@ def test_a_resume_reports_the_learning_rate_the_forks_schedule_gives(workdir, ca
     M.main(M.Args(**args, stop_at_step=128))
     capsys.readouterr()
     M.main(M.Args(**args, stop_at_step=192))
-    said = capsys.readouterr().out.split("goes on along its schedule (", 1)[1].split(" now")[0]
+    said = capsys.readouterr().out.split("; learning rate ", 1)[1].split(" now")[0]
     logged = dict(scalars("runs/warm")["charts/learning_rate"])[192]
     assert said == f"{logged:.3g}", f"the resume said {said}; its next iteration used {logged}"
