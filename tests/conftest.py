@@ -175,8 +175,8 @@ def _heads():
     import torch.nn as nn
     import ppo_atari as P
     agent = P.Agent(obs_shape(), 4)
-    missing = [n for n in ("network", "actor", "critic") if not isinstance(
-        getattr(agent, n, None), nn.Module)]
+    missing = [n for n in ("actor", "critic") if not isinstance(getattr(agent, n, None),
+                                                                 nn.Module)]
     return f"this copy's Agent has no {', '.join(missing)}" if missing else None
 
 
@@ -195,7 +195,7 @@ SEAMS = {
     "Agent.get_action_and_value": ("Agent.get_action_and_value(obs, action=None) -> (action, "
                                    "logprob, entropy, value, ...), each (B,)",
                                    _get_action_and_value),
-    "Agent heads": ("Agent.network (the trunk), Agent.actor and Agent.critic (the heads)",
+    "Agent heads": ("Agent.actor and Agent.critic (the heads; each trunk is found from them)",
                     _heads),
     "ppo_loss": ("ppo_loss(newlogprob, entropy, newvalue, logprob, advantages, returns, values, "
                  "clip_coef, norm_adv=, clip_vloss=, ent_coef=, vf_coef=) -> (loss, metrics)",
@@ -348,9 +348,12 @@ def _record_loss_call(call: dict, loss, metrics: dict, optimizer) -> dict:
              "lr": optimizer.param_groups[0]["lr"] if optimizer else None, "args": args,
              "clip_coef": None if clip is None else float(clip),
              "actions": mb["actions"].flatten().clone() if isinstance(mb, dict) else None}
-    if isinstance(mb, dict):  # what reaches the loss from the estimator
+    if isinstance(mb, dict):  # what reaches the loss from the estimator, and a fork's own rows
         entry["targets"] = {k: mb[k].detach().flatten().double().clone()
                             for k in ("values", "advantages", "returns") if k in mb}
+        entry["own_rows"] = {k: v.detach().clone() for k, v in mb.items() if k not in (
+            "obs", "actions", "logprobs", "values", "advantages", "returns") and
+            isinstance(v, torch.Tensor) and v.dim() > 0 and len(v) == len(mb["actions"])}
     if isinstance(mb, dict) and agent is not None and not seam_problem(
             "Agent.get_action_and_value"):
         with torch.no_grad():

@@ -189,26 +189,59 @@ def singular_values(layer):
     return torch.linalg.svdvals(layer.weight.detach().reshape(layer.weight.shape[0], -1))
 
 
+def trunks(agent) -> dict:
+    """Each head's own trunk: the Conv2d and Linear layers its input depends on, found by autograd
+    from one pass of get_action_and_value, in module order (a shared trunk is both heads', a
+    separate one each head's own). Where that interface or the heads changed (a recurrent policy),
+    Agent.network stands for both."""
+    layers = [m for m in agent.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    if seam_problem("Agent.get_action_and_value") or seam_problem("Agent heads"):
+        trunk = getattr(agent, "network", None)
+        shared = [m for m in trunk.modules() if m in layers] if isinstance(trunk, nn.Module) else []
+        return {"actor": shared, "critic": shared}
+    inputs, hooks = {}, [getattr(agent, head).register_forward_pre_hook(
+        lambda m, i, head=head: inputs.setdefault(head, i[0])) for head in ("actor", "critic")]
+    agent.get_action_and_value(torch.randint(0, 256, (5, *OBS), dtype=torch.uint8))
+    for hook in hooks:
+        hook.remove()
+    found = {}
+    for head, features in inputs.items():
+        grads = torch.autograd.grad(features.sum(), [m.weight for m in layers], allow_unused=True,
+                                    retain_graph=True) \
+            if features.requires_grad else [None] * len(layers)
+        found[head] = [m for m, g in zip(layers, grads) if g is not None]
+    return found
+
+
 def hidden_layers(agent) -> list:
-    trunk = getattr(agent, "network", None)
-    return [m for m in trunk.modules() if isinstance(m, (nn.Conv2d, nn.Linear))] if isinstance(
-        trunk, nn.Module) else []
+    """Every trunk layer of the actor's and the critic's, in module order."""
+    found = trunks(agent)
+    return [m for m in agent.modules() if any(m in layers for layers in found.values())]
 
 
 def test_the_trunk_is_the_nature_cnn():
-    """NatureCNN of record (Mnih et al. 2015, CleanRL): 3 conv layers, then a Linear(., 512)."""
-    hidden = hidden_layers(P.Agent(OBS, 6))
-    kinds = [type(m).__name__ for m in hidden]
-    assert kinds == ["Conv2d"] * 3 + ["Linear"] and hidden[-1].out_features == 512, (
-        "NatureCNN of record: 3 conv layers and a Linear(., 512) in Agent.network; this copy's "
-        f"has {len(hidden)} such layers ({', '.join(kinds) or 'none'})")
+    """NatureCNN of record (Mnih et al. 2015, CleanRL): 3 conv layers, then a Linear(., 512), one
+    trunk shared by the heads (a fork with separate actor and critic trunks: each is checked)."""
+    found = trunks(P.Agent(OBS, 6))
+    separate = found["actor"] != found["critic"]
+    common = [m for m in found["actor"] if m in found["critic"]]
+    checks = [(not separate, f"one trunk shared by the actor and the critic (published: CleanRL, "
+               f"baselines ppo2); this copy's actor reads {len(found['actor'])} layers and its "
+               f"critic {len(found['critic'])}, {len(common)} of them shared")]
+    for head, hidden in (found.items() if separate else [("Agent", found["actor"])]):
+        kinds = [type(m).__name__ for m in hidden]
+        where = f"the {head}'s trunk" if separate else "the trunk the heads share"
+        checks.append((kinds == ["Conv2d"] * 3 + ["Linear"] and hidden[-1].out_features == 512,
+                       f"NatureCNN of record: 3 conv layers and a Linear(., 512) in {where}; "
+                       f"this copy's has {len(hidden)} such layers ({', '.join(kinds) or 'none'})"))
+    expect(*checks)
 
 
 def test_the_heads_read_the_trunks_features_directly():
-    """NatureCNN of record: the actor and the critic each read the trunk's features, nothing in
-    between (their size is test_the_trunk_is_the_nature_cnn's); modules beside them (an
-    auxiliary or intrinsic value head) are the fork's own. Where the Agent's interface changed
-    (a recurrent policy), its parameters tell instead."""
+    """NatureCNN of record: the actor and the critic each read their trunk's features (the ReLU of
+    its Linear(., 512)), nothing in between; modules beside them (an auxiliary or intrinsic value
+    head) are the fork's own. Where the Agent's interface changed (a recurrent policy), its
+    parameters tell instead."""
     need("Agent heads")
     agent = P.Agent(OBS, 6)
     if seam_problem("Agent.get_action_and_value"):
@@ -218,19 +251,24 @@ def test_the_heads_read_the_trunks_features_directly():
                             f"directly; this copy's Agent also has parameters in "
                             f"{', '.join(others)}")
         return
-    seen = {}
-    agent.network.register_forward_hook(lambda m, i, out: seen.setdefault("trunk", out))
+    found, seen = trunks(agent), {}
     for head in ("actor", "critic"):
+        if found[head]:
+            found[head][-1].register_forward_hook(
+                lambda m, i, out, head=head: seen.setdefault(f"{head} trunk", torch.relu(out)))
         getattr(agent, head).register_forward_pre_hook(
             lambda m, i, head=head: seen.setdefault(head, i[0]))
     with torch.no_grad():
         agent.get_action_and_value(torch.randint(0, 256, (5, *OBS), dtype=torch.uint8))
-    trunk = seen.get("trunk")
-    expect(*[(trunk is not None and head in seen and seen[head].shape == trunk.shape and
-              torch.equal(seen[head], trunk), f"NatureCNN of record: the {head} reads the "
-              f"trunk's 512 features directly; this copy's {head} reads "
-              f"{tuple(seen[head].shape) if head in seen else 'nothing'} that are not the "
-              f"trunk's output") for head in ("actor", "critic")])
+    checks = []
+    for head in ("actor", "critic"):
+        trunk, read = seen.get(f"{head} trunk"), seen.get(head)
+        checks.append((trunk is not None and read is not None and read.shape == trunk.shape and
+                       torch.equal(read, trunk), f"NatureCNN of record: the {head} reads its "
+                       f"trunk's 512 features directly; this copy's {head} reads "
+                       f"{tuple(read.shape) if read is not None else 'nothing'} that are not "
+                       f"its trunk's output"))
+    expect(*checks)
 
 
 @pytest.mark.parametrize("part,gain", [("hidden", math.sqrt(2)), ("actor", 0.01),
@@ -482,7 +520,8 @@ def test_the_loss_of_record_far_from_ratio_one(instrumented):
     outside the clip range on both sides), advantages of both signs, values far from their
     targets, against PPO's loss of record term by term (a dual clip, another value loss or a
     bounded surrogate shows up here, where real minibatches, near ratio 1, do not reach; a term
-    added to the total is test_the_training_loss_is_the_ppo_loss_of_record's)."""
+    added to the total is test_the_training_loss_is_the_ppo_loss_of_record's). A fork's own
+    minibatch rows (an intrinsic return) come from a real minibatch."""
     call = loss_calls(instrumented)[-1]
     need("Agent.get_action_and_value")
     args, agent = call["args"], instrumented["agent"]
@@ -497,6 +536,7 @@ def test_the_loss_of_record_far_from_ratio_one(instrumented):
           "advantages": signs * (torch.rand(n, generator=g) * 4 + 0.5),
           "values": newvalue + torch.randn(n, generator=g) * 3,
           "returns": newvalue + torch.randn(n, generator=g) * 10}
+    mb |= {k: v[torch.arange(n) % len(v)] for k, v in call.get("own_rows", {}).items()}
     clip = 0.1
     carry = copy.deepcopy(instrumented["carry"])  # a stateful fork's coefficient, say
     _, metrics = P.minibatch_loss(agent, mb, torch.tensor(clip), args, carry)
