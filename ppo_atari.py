@@ -22,6 +22,7 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -751,14 +752,11 @@ def start_workers(make_async):
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(devnull)
-    started = threading.Event()  # a thread with signals unblocked: Ctrl-C is still seen
-    threading.Thread(target=started.wait, daemon=True).start()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
+    try:  # meanwhile other threads (catch_stop_signals') receive them
         return make_async(env_worker)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        started.set()
 
 
 def env_worker(index, env_fn, *args, **kwargs):
@@ -1247,20 +1245,35 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     return (None, None) if resume_plan(args, saved, ckpt, world_size) else (args, ckpt)
 
 
-def catch_stop_signals() -> tuple[list, dict]:
+def catch_stop_signals():
     """First Ctrl-C or SIGTERM: appended to the list returned (stop at the iteration's end); a
-    second Ctrl-C exits at once; a signal ignored at start (`cmd &`) stays so."""
-    stop = []
+    second Ctrl-C exits at once; a signal ignored at start (`cmd &`) stays so. Each is taken as it
+    comes, by a thread reading the wakeup fd: Python runs a handler once for two signals that
+    come while the main thread waits in C (on starting workers). Returns (list, release)."""
+    stop, (reader, writer) = [], socket.socketpair()
+    writer.setblocking(False)
 
-    def on_signal(signum, frame):
-        if stop and signum == signal.SIGINT:
-            print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
-            kill_workers()  # before they find the trainer gone
-            os._exit(130)
-        stop.append(signum)
+    def take_signals():
+        while data := reader.recv(64):  # one byte per signal, each delivery
+            for signum in (s for s in data if s in (signal.SIGINT, signal.SIGTERM)):
+                if stop and signum == signal.SIGINT:
+                    print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
+                    kill_workers()  # before they find the trainer gone
+                    os._exit(130)
+                stop.append(signum)
+        reader.close()
 
-    return stop, {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)
-                  if signal.getsignal(s) != signal.SIG_IGN}
+    threading.Thread(target=take_signals, daemon=True).start()
+    old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)
+           if signal.getsignal(s) != signal.SIG_IGN}
+    old_fd = signal.set_wakeup_fd(writer.fileno())
+
+    def release():
+        signal.set_wakeup_fd(old_fd)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        writer.close()  # the thread's recv returns b"": it ends
+    return stop, release
 
 
 def shown_path(path: str) -> str:
@@ -1315,7 +1328,7 @@ def main(args: Args, explicit: set[str] | None = None):
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
-    signals, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else ([], {})
+    signals, release = catch_stop_signals() if args.eval_checkpoint is None else ([], None)
     cuda_calls = [getattr(m, name) for m, name in CUDA_ENTRY_POINTS]  # --no-cuda replaces them
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
@@ -1338,8 +1351,8 @@ def main(args: Args, explicit: set[str] | None = None):
             fail("--track needs wandb, which is not installed: pip install wandb")
         return train(args, ckpt, device, signals, rank, world_size)
     finally:
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler)
+        if release is not None:
+            release()
         for (module, name), call in zip(CUDA_ENTRY_POINTS, cuda_calls):
             setattr(module, name, call)
 

@@ -243,6 +243,10 @@ def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_pa
                    "--run-name", "twice"], tmp_path, new_session=True)
     assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
         proc.communicate()[1][-2000:]
+    deadline = time.time() + 30  # starting: once the 2 workers and the tracker exist, while the
+    while when != "training" and len(left_in_session(proc.pid, 0)) < 4 and \
+            time.time() < deadline:  # workers import torch (seconds) and the mask is on
+        time.sleep(0.02)
     for _ in range(2):
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.3)

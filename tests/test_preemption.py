@@ -73,15 +73,23 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(monkeypatch, capsys)
     """The first Ctrl-C asks for a stop at the iteration's end; the second exits at once."""
     exits = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    stop, old = P.catch_stop_signals()
+    stop, release = P.catch_stop_signals()
     try:
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop == [signal.SIGINT] and exits == []
+        assert wait_for(lambda: stop == [signal.SIGINT]) and exits == []
         os.kill(os.getpid(), signal.SIGINT)
-        assert exits == [130] and "second Ctrl-C: exiting now" in capsys.readouterr().err
+        assert wait_for(lambda: exits == [130]) and "second Ctrl-C: exiting now" in \
+            capsys.readouterr().err
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        release()
+
+
+def wait_for(condition, seconds=5.0) -> bool:
+    """Whether condition() holds within seconds (the signals are taken by a thread)."""
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
 
 
 def test_a_folder_of_something_else_is_refused(workdir):
