@@ -71,9 +71,13 @@ def setup(P, a, backend: str, noop: bool):
     agent = P.Agent(envs.single_observation_space.shape, envs.single_action_space.n)
     agent = agent.to(device, memory_format=torch.channels_last)
     policy = agent.get_action_and_value
-    if noop:  # constant outputs, no network: what is left is the loop
+    if noop:  # constant outputs, no network: what is left is the loop (as many outputs as the
+        # copy's policy returns: a fork may add values after CleanRL's four)
+        with torch.inference_mode():
+            outputs = len(policy(torch.zeros((1, *envs.single_observation_space.shape),
+                                             dtype=torch.uint8, device=device)))
         zeros = torch.zeros(a.num_envs, device=device)
-        policy = lambda obs: (zeros.long(), zeros, zeros, zeros)  # noqa: E731
+        policy = lambda obs: (zeros.long(), *[zeros] * (outputs - 1))  # noqa: E731
     elif a.compile:
         policy = torch.compile(policy)
     storage = P.make_storage(envs.single_observation_space.shape, args.num_steps, a.num_envs,
@@ -85,7 +89,9 @@ def setup(P, a, backend: str, noop: bool):
 
 
 def instrumented_rollout(P, policy, envs, next_obs, storage, staging, autocast, wait):
-    """The file's rollout step by step, each phase timed alone (wait: for the device)."""
+    """The file's rollout step by step, each phase timed alone (wait: for the device). With
+    --script, the copy's policy and envs in the repository's rollout: a fork's own rollout
+    changes (extra values stored) are not timed."""
     names = ["forward", "action to host", "env step", "obs to device", "storage writes"]
     spent = dict.fromkeys(names, 0.0)
     is_async = hasattr(envs, "step_async")
@@ -93,7 +99,7 @@ def instrumented_rollout(P, policy, envs, next_obs, storage, staging, autocast, 
         t = [time.perf_counter()]
         storage["obs"][step] = next_obs
         with torch.inference_mode(), autocast:
-            action, logprob, _, value = policy(next_obs)
+            action, logprob, _, value, *_ = policy(next_obs)  # a fork's extra values: unstored
         wait()
         t.append(time.perf_counter())
         actions_np = action.cpu().numpy()

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ppo_atari as P
-from conftest import Truncating, need, obs_shape, run_dirs
+from conftest import Truncating, need, obs_shape, run_dirs, stand_in_policy
 
 OBS = obs_shape()
 
@@ -41,10 +41,7 @@ def test_rewards_and_dones_stay_on_the_host_during_the_rollout():
     staging = torch.zeros((2, *OBS), dtype=torch.uint8)
     next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=0)[0]))
 
-    def policy(obs):  # no tensor moves of its own; action 0 scores 1
-        n = obs.shape[0]
-        return torch.zeros(n, dtype=torch.long), torch.zeros(n), torch.zeros(n), torch.zeros(n)
-
+    policy = stand_in_policy(2)  # no tensor moves of its own; action 0 scores 1
     with RecordMoves() as record:
         P.rollout(policy, envs, next_obs, storage, staging, torch.autocast("cpu", enabled=False),
                   0, 2)
