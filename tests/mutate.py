@@ -200,11 +200,11 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "                    save_agent(run_dir, agent, args, global_step, iteration == "
      "num_iterations)\n", INSTANT),
     ("signals caught from the first instant",
-     "    signals, old_handlers = catch_stop_signals() if args.eval_checkpoint is None else "
-     "([], {})\n",
-     "    signals, old_handlers = [], {}\n", INSTANT),
+     "    signals, release = catch_stop_signals() if args.eval_checkpoint is None else "
+     "([], None)\n",
+     "    signals, release = [], None\n", INSTANT),
     ("an ignored signal stays ignored",
-     "                  if signal.getsignal(s) != signal.SIG_IGN}", "                  if True}",
+     "           if signal.getsignal(s) != signal.SIG_IGN}", "           if True}",
      "test_preemption.py::test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it"),
     ("async workers born with Ctrl-C and SIGTERM blocked",
      "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})",
