@@ -140,7 +140,7 @@ def _get_action_and_value():
         f"this copy's get_action_and_value returns {shapes}"  # values after the four: a fork's
 
 
-def stand_in_policy(n: int, device="cpu"):
+def stand_in_policy(n: int):
     """A policy with no network for n envs: action 0, zero log-probabilities, entropies and
     values, and zeros for each value a copy's get_action_and_value returns after CleanRL's four
     (an intrinsic value), so the copy's own rollout unpacks it."""
@@ -148,7 +148,7 @@ def stand_in_policy(n: int, device="cpu"):
     import ppo_atari as P
     extra = len(P.Agent(obs_shape(), 4).get_action_and_value(
         torch.zeros(1, *obs_shape(), dtype=torch.uint8))) - 4
-    zeros = torch.zeros(n, device=device)
+    zeros = torch.zeros(n)
     return lambda obs: (zeros.long(), *[zeros] * (3 + extra))
 
 
