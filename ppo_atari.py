@@ -678,8 +678,7 @@ def check_args(args: Args, world_size: int = 1):
 
 
 def check_env_id(env_id: str):
-    """Only ALE image ids with the settings of record: NoFrameskip-v4 (no sticky actions) and
-    ALE/...-v5 (sticky actions 0.25); -v4 (random frame skip) and -v0 (sticky) are refused."""
+    """ALE image ids of record only: NoFrameskip-v4 (no sticky actions), ALE/...-v5 (0.25)."""
     try:
         spec = gym.spec(env_id)
     except gym.error.Error as e:  # gymnasium's message names the unknown part, with a guess
@@ -727,8 +726,7 @@ class VideoRecorder(gym.Wrapper):
 
     def _finish(self, complete: bool):
         if self.writer is not None:
-            self.writer.release()
-            self.writer = None
+            self.writer = self.writer.release()  # (None)
             if not complete and self.every_game:  # evaluation keeps full games only; training
                 os.remove(self.path)  # keeps the last, cut-off game (a short run may have no other)
 
@@ -780,9 +778,8 @@ def env_worker(index, env_fn, *args, **kwargs):
 
 def kill_workers():
     """At exit: multiprocessing would SIGTERM the workers, which ignore it, and wait forever."""
-    for p in multiprocessing.active_children():
-        if p.daemon:
-            p.kill()
+    for p in [p for p in multiprocessing.active_children() if p.daemon]:
+        p.kill()
 
 
 def usable_cores() -> int:
@@ -805,20 +802,15 @@ CUDA_ENTRY_POINTS = [(torch.cuda, "is_available"), (torch.cuda, "_lazy_init"),
                      (torch.cuda.random, "_lazy_init")]
 
 
-def no_cuda() -> bool:
-    return False
-
-
 def no_cuda_init():
     raise RuntimeError("no CUDA in a --no-cuda run")  # what torch raises without a GPU
 
 
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
     """The one place the device and torch's CPU threads are chosen; say: print which, and why."""
-    if not args.cuda:  # torch.compile's tracing saves the CUDA RNG state, and inductor reads
-        # the GPU, where torch sees one (initializing CUDA): until main returns, torch answers
-        # as on a machine without a GPU (CUDA_VISIBLE_DEVICES would be too late once counted)
-        torch.cuda.is_available = no_cuda
+    if not args.cuda:  # until main returns, torch answers as without a GPU: compile's tracing
+        # and inductor initialize it (CUDA_VISIBLE_DEVICES, read once, is too late once counted)
+        torch.cuda.is_available = lambda: False
         if not torch.cuda.is_initialized():
             torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -931,8 +923,7 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def write_atomically(path: str, state: dict):
-    """Written to a temporary file, flushed, renamed over the old: a crash leaves one whole file.
-    CPU tensors only: torch.load works without the GPU."""
+    """Via a temporary file, fsynced and renamed: a crash leaves one whole file; CPU tensors."""
     with open(path + ".tmp", "wb") as f:
         torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
         f.flush()
@@ -995,16 +986,15 @@ def layer_state(env) -> dict:
     numbers of the wrappers not gymnasium's or ale-py's: a resume names those that changed)."""
     out = {"state": {}, "refused": {}, "numbers": {}}
     for name, layer in wrapper_layers(env):
+        own = type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py")
         for attr, value in vars(layer).items():
             key, rms = f"{name}.{attr}", isinstance(value, RunningMeanStd)
+            saved = to_saved(vars(value) if rms else value)
             if attr.endswith("_state") or rms or key == "RecordEpisodeStatistics.episode_count":
-                saved = to_saved(vars(value) if rms else value)
                 out["state" if checkpointable(saved) else "refused"][key] = \
                     saved if checkpointable(saved) else type(value).__name__
-            elif isinstance(value, (int, float, np.ndarray, torch.Tensor)) and not isinstance(
-                    value, bool) and key != "EpisodicLife.lives" and checkpointable(saved := (
-                    to_saved(value))) and type(layer).__module__.split(".")[0] not in (
-                    "gymnasium", "ale_py"):  # (the lives are one game's)
+            elif own and key != "EpisodicLife.lives" and checkpointable(saved) and isinstance(
+                    value, (int, float, np.ndarray, torch.Tensor)) and not isinstance(value, bool):
                 out["numbers"][key] = saved
     return out
 
@@ -1021,10 +1011,8 @@ def set_layer_state(env, state: dict):
 
 
 def env_layer_states(envs) -> list[dict]:
-    """layer_state of every env of the vector env, in order."""
-    if hasattr(envs, "envs"):  # sync: the envs are here
-        return [layer_state(env) for env in envs.envs]
-    return list(envs.call("layers_get"))
+    """layer_state of every env of the vector env, in order (sync: here; async: its workers')."""
+    return [*map(layer_state, envs.envs)] if hasattr(envs, "envs") else [*envs.call("layers_get")]
 
 
 def wrapper_statistics(envs, world_size: int = 1) -> dict:
@@ -1056,10 +1044,9 @@ def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
     count, games = "VideoRecorder.games_state", "RecordEpisodeStatistics.episode_count"
     if count in now - kept and games in kept:  # videos from this launch on: env 0's next game
         states[0][count], kept = saved[games][0] + 1, kept | {count}
-    if hasattr(envs, "envs"):  # sync: the envs are here
-        for env, state in zip(envs.envs, states):
-            set_layer_state(env, state)
-    else:  # each worker takes its own env's
+    for env, state in zip(getattr(envs, "envs", []), states):  # sync: the envs are here
+        set_layer_state(env, state)
+    if not hasattr(envs, "envs"):  # async: each worker takes its own env's
         envs.call("layers_set", states)
     lost = sorted(now ^ kept) + [key for key, value in numbers.items() if not np.array_equal(
         from_saved(value), from_saved(fresh[0]["numbers"].get(key)))]
@@ -1153,18 +1140,15 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: boo
                         stopped_early: bool, world_size: int):
     """Where the run is and, if it stopped early, the line that continues it here: the same
     launcher and its options, and the launch-only options this launch was given (unsaved)."""
-    shown, local = shown_path(run_dir), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    shown = shown_path(run_dir)
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
                   sys.executable)  # the same command: `python` when that is this interpreter
-    launched = torchrun_options(sys.argv[0]) if world_size > 1 else None
-    launcher = [python] if world_size == 1 else ["torchrun", *launched] if launched is not None \
-        else ["torchrun", *(["--nnodes", str(world_size // local)] if world_size > local else []),
-              "--nproc_per_node", str(local)]
-    again = (["--no-cuda"] if not args.cuda else []) + (
-        ["--threads", str(args.threads)] if args.threads else []) + (
-        ["--stop-at-step", str(args.stop_at_step)] if args.stop_at_step and not stopped_early
-        else [])  # a stop by signal goes on to the planned stop
+    launcher = [python] if world_size == 1 else ["torchrun", *(torchrun_options(sys.argv[0]) or [
+        "--nproc_per_node", os.environ.get("LOCAL_WORLD_SIZE", "1")])]  # or a guess at them
+    again = ["--no-cuda"] * (not args.cuda) + ["--threads", str(args.threads)] * bool(args.threads)
+    if args.stop_at_step and not stopped_early:  # a stop by signal goes on to the planned stop
+        again += ["--stop-at-step", str(args.stop_at_step)]
     resume = shlex.join([*launcher, sys.argv[0], "--resume", shown, *again])
     print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
     if stopped:
@@ -1175,7 +1159,8 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: boo
 
 
 def close(envs, writer):
-    envs.close()
+    if envs is not None:
+        envs.close()
     if writer is not None:
         writer.close()
     if dist.is_initialized():
@@ -1185,13 +1170,12 @@ def close(envs, writer):
 
 def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
     """Checks a checkpoint against this launch and says what resuming does; True: nothing to do."""
-    done, step, local_batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
-    if done and step != done * local_batch * world_size:  # each iteration: every rank's batch
-        n = step // (done * local_batch)
+    done, step, batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
+    if done and step != done * batch * world_size:  # each iteration: every rank's batch
+        n = step // (done * batch)
         fail(f"{args.resume} was written by {n} process(es) and this launch has {world_size}; "
              f"continue it with {n} processes (torchrun --nproc_per_node)")
-    where, batch = shown_path(ckpt["run_dir"]), local_batch * world_size
-    iterations = args.total_timesteps // batch
+    where, iterations = shown_path(ckpt["run_dir"]), args.total_timesteps // (batch * world_size)
     if done >= iterations:
         print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps "
               f"is {args.total_timesteps:,}; nothing written. To train longer, pass a larger "
@@ -1344,9 +1328,7 @@ def main(args: Args, explicit: set[str] | None = None):
                                args.dist_timeout)
         args, ckpt = agree_on_run(args, explicit, rank, world_size)
         if args is None:  # nothing to train: complete, or past --stop-at-step
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            return None
+            return close(None, None)
         if args.track and importlib.util.find_spec("wandb") is None:
             fail("--track needs wandb, which is not installed: pip install wandb")
         return train(args, ckpt, device, signals, rank, world_size)

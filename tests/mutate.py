@@ -261,7 +261,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      'while rank == 0 and store.add(f"ppo_atari/in{generation}", 0) < world_size - 1:',
      "while False:",
      "test_distributed.py::test_a_rank_that_starts_late_joins_when_init_returns_at_once"),
-    ("--no-cuda hides CUDA from torch", "        torch.cuda.is_available = no_cuda\n",
+    ("--no-cuda hides CUDA from torch", "        torch.cuda.is_available = lambda: False\n",
      "        pass\n", "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_"
      "and_never_initializes_cuda"),
     ("videos numbered on after a resume's earlier ones",
@@ -301,8 +301,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_"
      "initializes_cuda"),
     ("state added to the file's own wrappers is named at a resume",
-     'type(layer).__module__.split(".")[0] not in (\n                    "gymnasium", "ale_py")',
-     'type(layer).__module__ != __name__ and (\n                    "gymnasium", "ale_py")',
+     'own = type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py")',
+     'own = type(layer).__module__ != __name__',
      "test_wrapper_state.py::test_state_added_to_the_files_own_wrappers_is_named_at_a_resume"),
     ("no sticky actions in training (v4)", "env = gym.make(env_id, frameskip=1)",
      "env = gym.make(env_id, frameskip=1, repeat_action_probability=0.25)",
