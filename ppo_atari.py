@@ -242,7 +242,7 @@ def make_env(env_id: str, seed: int, video_folder: str | None = None, every_game
     (4, 84, 84) uint8, the newest frame last; info["episode"] at a real game over."""
 
     def thunk():
-        gym.register_envs(ale_py)  # a spawned worker registers the ids itself
+        gym.register_envs(ale_py)  # an env worker registers the ids itself
         env = gym.make(env_id, frameskip=1)  # frame skipping is done by MaxAndSkip
         if video_folder is not None:
             env = VideoRecorder(env, video_folder, every_game)
@@ -270,7 +270,7 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     same_step = gym.vector.AutoresetMode.SAME_STEP
     if use_async:  # a process per env, started by start_workers (below the fence)
         envs = start_workers(lambda worker: gym.vector.AsyncVectorEnv(
-            thunks, autoreset_mode=same_step, context="spawn", copy=False, worker=worker))
+            thunks, autoreset_mode=same_step, context="forkserver", copy=False, worker=worker))
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
     shape = envs.single_observation_space.shape
@@ -736,10 +736,12 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async(env_worker), the workers (spawned: forked CUDA is unsafe) born with Ctrl-C and
-    SIGTERM blocked: the trainer decides when to stop. The exit hook first (a failure while they
-    start must not hang the exit); the resource tracker before the mask (starting it unblocks),
-    silent (after a SIGKILL of the trainer it frees the run's semaphores without a warning)."""
+    """make_async(env_worker), the workers born with Ctrl-C and SIGTERM blocked: the trainer
+    decides when to stop. They are forked from a server (started within the mask) that imported
+    torch, so none imports it again and all share its pages; never from the trainer (forked CUDA
+    is unsafe). The exit hook first (a failure while they start must not hang the exit); the
+    resource tracker before the mask (starting it unblocks), silent (after a SIGKILL of the
+    trainer it frees the run's semaphores without a warning)."""
     atexit.unregister(kill_workers)  # once per process, however many runs it starts
     atexit.register(kill_workers)
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -750,6 +752,8 @@ def start_workers(make_async):
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(devnull)
+    multiprocessing.set_forkserver_preload(["torch", "torch.utils.tensorboard", "gymnasium",
+                                            "ale_py", "cv2"])  # read when the server starts
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:  # meanwhile other threads (catch_stop_signals') receive them
         return make_async(env_worker)

@@ -198,22 +198,35 @@ def env_worker(name, num_envs, out):
 
 
 def worker_memory(num_envs):
-    """Each async env worker is a process that imports this file, and so torch: its resident
-    (RSS) and proportional (PSS: shared pages split between the processes) memory, after 100
-    steps."""
-    envs = P.make_envs(P.Args(num_envs=num_envs, env_backend="async"), seed=1)
-    envs.reset(seed=1)
-    for _ in range(100):
-        envs.step(np.zeros(num_envs, dtype=np.int64))
-
+    """The async envs' start (make_envs and the first reset, wall and CPU of the processes it
+    starts) and each worker's resident (RSS) and proportional (PSS: shared pages split between
+    the processes) memory after 100 steps, with any other process this one started (a fork
+    server) and the trainer's own."""
     def mib(pid, name, key):
         line = next(x for x in open(f"/proc/{pid}/{name}") if x.startswith(key))
         return int(line.split()[1]) / 1024
-    print(f"# torch {torch.__version__}, {num_envs} async workers")
-    for p in envs.processes:
-        print(f"worker {p.pid}: RSS {mib(p.pid, 'status', 'VmRSS:'):.0f} MiB, "
-              f"PSS {mib(p.pid, 'smaps_rollup', 'Pss:'):.0f} MiB")
-    print(f"trainer (no network yet): RSS {mib(os.getpid(), 'status', 'VmRSS:'):.0f} MiB")
+
+    def children():
+        return {int(c) for t in os.listdir("/proc/self/task")
+                for c in open(f"/proc/self/task/{t}/children").read().split()}
+    before, t0 = children(), time.time()
+    envs = P.make_envs(P.Args(num_envs=num_envs, env_backend="async"), seed=1)
+    envs.reset(seed=1)
+    start = time.time() - t0
+    for _ in range(100):
+        envs.step(np.zeros(num_envs, dtype=np.int64))
+    print(f"# torch {torch.__version__}, {num_envs} async workers, {os.cpu_count()} cores")
+    print(f"start (make_envs + first reset): {start:.2f} s")
+    workers, total = [p.pid for p in envs.processes], 0.0
+    for pid in workers:
+        total += (pss := mib(pid, "smaps_rollup", "Pss:"))
+        print(f"worker {pid}: RSS {mib(pid, 'status', 'VmRSS:'):.0f} MiB, PSS {pss:.0f} MiB")
+    for pid in sorted(children() - before - set(workers)):  # the resource tracker, a fork server
+        total += (pss := mib(pid, "smaps_rollup", "Pss:"))
+        name = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:60]
+        print(f"other process {pid} ({name}...): PSS {pss:.0f} MiB")
+    print(f"the workers and other processes: PSS {total:.0f} MiB in all; trainer (no network "
+          f"yet): RSS {mib(os.getpid(), 'status', 'VmRSS:'):.0f} MiB")
     envs.close()
 
 

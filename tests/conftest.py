@@ -61,11 +61,11 @@ def pytest_configure(config):
     global IMPORTABLE  # a folder where `import ppo_atari` finds the copy, whatever its name
     IMPORTABLE = os.path.dirname(SCRIPT)
     if os.path.basename(SCRIPT) != "ppo_atari.py":  # my_fork.py: imported by name as ppo_atari
-        IMPORTABLE = tempfile.mkdtemp(prefix="ppo-atari-as-")  # (spawned env workers, scripts)
+        IMPORTABLE = tempfile.mkdtemp(prefix="ppo-atari-as-")  # (async env workers, scripts)
         os.symlink(SCRIPT, os.path.join(IMPORTABLE, "ppo_atari.py"))
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [IMPORTABLE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    sys.path.insert(0, IMPORTABLE)  # spawned env workers import it by name
+    sys.path.insert(0, IMPORTABLE)  # async env workers import it by name
     spec = importlib.util.spec_from_file_location("ppo_atari", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["ppo_atari"] = module

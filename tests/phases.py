@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(script: str):
-    """The copy as module ppo_atari, importable by name: the async workers (spawned) unpickle
+    """The copy as module ppo_atari, importable by name: the async workers unpickle
     its env_worker by module and name."""
     folder = tempfile.mkdtemp()
     shutil.copy(script, os.path.join(folder, "ppo_atari.py"))

@@ -44,6 +44,27 @@ def test_sync_and_async_step_identically():
         " a sweep of runs in one process would keep every run's envs"
 
 
+def test_async_workers_are_forked_from_a_server_that_loaded_torch_not_from_the_trainer():
+    """Each async env worker is forked from one server process that had imported torch (a
+    worker starts without importing it and shares those pages), never from the trainer, whose
+    CUDA state a fork would copy. What it cannot show: the time and memory this saves
+    (`python tests/benchmark.py --worker-memory` prints them)."""
+    need("vector env")
+    envs = P.make_envs(P.Args(num_envs=2, env_backend="async"), seed=5)
+    try:
+        need(what="async workers as processes (envs.processes)",
+             problem=None if hasattr(envs, "processes") else "this copy's async envs have none")
+        parents = {int(next(line for line in open(f"/proc/{p.pid}/status")
+                            if line.startswith("PPid:")).split()[1]) for p in envs.processes}
+        assert len(parents) == 1 and os.getpid() not in parents, \
+            f"the workers' parents {parents}: not one server (this process is {os.getpid()})"
+        (server,) = parents
+        loaded = "libtorch" in open(f"/proc/{server}/maps").read()
+        assert loaded, f"the server the workers were forked from ({server}) had not loaded torch"
+    finally:
+        envs.close()
+
+
 def test_sync_and_async_train_to_the_same_losses(workdir, monkeypatch):
     logged = {}
     for backend in ("sync", "async"):
@@ -150,7 +171,7 @@ spec.loader.exec_module(P)
 def crash(self, *a, **kw):  # any bug of the trainer's while the workers wait on it
     raise RuntimeError("bug in a fork")
 setattr(gym.vector.AsyncVectorEnv, os.environ["CRASH_IN"], crash)
-if __name__ == "__main__":  # spawned workers import this file as their main module
+if __name__ == "__main__":  # env workers import this file as their main module
     P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
 """
 
@@ -180,7 +201,7 @@ def test_a_ctrl_c_while_async_workers_start_does_not_hang_the_exit(tmp_path):
         "    os.killpg(os.getpgid(0), signal.SIGINT)\n"
         "    return real(self)\n"
         "gym.vector.AsyncVectorEnv._check_spaces = check_spaces\n"
-        "if __name__ == '__main__':  # spawned workers import this file as their main module\n"
+        "if __name__ == '__main__':  # env workers import this file as their main module\n"
         "    P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n")
     proc = launch([], tmp_path, script=tmp_path / "starter.py", new_session=True,
                   env={"PYTHONPATH": conftest.IMPORTABLE})
@@ -202,7 +223,7 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
     need("vector env")
     (tmp_path / "trainer.py").write_text(
         "import time, ppo_atari as P\n"
-        "if __name__ == '__main__':  # spawned workers import this file as their main module\n"
+        "if __name__ == '__main__':  # env workers import this file as their main module\n"
         "    envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
         "    envs.reset(seed=0)\n"
         "    print('workers:', *(p.pid for p in envs.processes), flush=True)\n"
@@ -239,13 +260,16 @@ def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_pa
     line that says so, no worker traceback, no leaked-resource warning, every process of the
     run gone. While the workers start (their signals blocked), the second still exits before
     any iteration (it used to become a stop after the first)."""
-    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
-                   "--run-name", "twice"], tmp_path, new_session=True)
+    # 512 steps an iteration (about a second): the second Ctrl-C comes while the first's stop
+    # waits for the iteration's end, not after the run has ended (its last teardown, where
+    # Python has given the signals back to the system's default, would end it by SIGINT: -2)
+    proc = launch([*TINY, "--num-steps", "256", "--total-timesteps", "100000", "--env-backend",
+                   "async", "--run-name", "twice"], tmp_path, new_session=True)
     assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
         proc.communicate()[1][-2000:]
-    deadline = time.time() + 30  # starting: once the 2 workers and the tracker exist, while the
-    while when != "training" and len(left_in_session(proc.pid, 0)) < 4 and \
-            time.time() < deadline:  # workers import torch (seconds) and the mask is on
+    deadline = time.time() + 30  # starting: once the fork server, the 2 workers and the tracker
+    while when != "training" and len(left_in_session(proc.pid, 0)) < 5 and \
+            time.time() < deadline:  # exist, while the workers start and the mask is on
         time.sleep(0.02)
     for _ in range(2):
         os.killpg(proc.pid, signal.SIGINT)
@@ -258,3 +282,4 @@ def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_pa
         err[-3000:]
     if when == "workers starting":
         assert "step " not in out, "an iteration ran between the two Ctrl-Cs"
+

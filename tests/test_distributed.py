@@ -64,7 +64,7 @@ if os.environ.get("KL_BY_RANK"):  # each rank's approx_kl forced, its optimizer 
         open(f"calls{rank}.txt", "w").write(str(len(calls)))
         return real_step(self, *a, **kw)
     P.minibatch_loss, torch.optim.Adam.step = minibatch_loss, step
-if __name__ == "__main__":  # spawned async workers import this file as their main module
+if __name__ == "__main__":  # async env workers import this file as their main module
     if os.environ.get("LATE_RANK") == rank:  # this rank starts seconds after the others
         import time; time.sleep(float(os.environ.get("LATE_BY", "3")))
     agent = P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
@@ -175,7 +175,7 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     the gradient all-reduce makes the ranks' weights part): identical weights, one writer
     counting both ranks' steps; a stop prints a torchrun line (a plain python line would be
     refused by the world-size check) that continues the run, here with async env workers
-    spawned after the process group; once more it has nothing to train and each rank leaves
+    started after the process group; once more it has nothing to train and each rank leaves
     its group destroyed; rank 0 alone evaluates. The Agent's first layer is frozen throughout:
     parameters without a gradient (frozen, or an unused head) are left out of the all-reduce
     instead of crashing it, and stay as they were. Each env also carries a fork's wrapper whose

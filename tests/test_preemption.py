@@ -232,7 +232,7 @@ def hit():
     if len(seen) == int(nth):
         Finalizer() if os.environ.get("SWALLOW") else os.kill(os.getpid(), sig)
 
-if where == "group":  # the whole process group, the moment the async workers are spawned
+if where == "group":  # the whole process group, the moment the async workers start
     real_check = gym.vector.AsyncVectorEnv._check_spaces
     def check_spaces(self):
         os.killpg(os.getpgid(0), sig)
@@ -257,7 +257,7 @@ else:
             raise RuntimeError("a bug after the signal")
         return out
     setattr(P, name, call)
-if __name__ == "__main__":  # spawned async workers import this file as their main module
+if __name__ == "__main__":  # async env workers import this file as their main module
     P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
 """
 TOTAL = 4 * ITER

@@ -42,7 +42,7 @@ def copy_with(workdir, line: str, extra: str = TALLY, name: str = "fork"):
 
 
 def load(path):
-    sys.path.insert(0, str(path.parent))  # spawned async workers import it by name
+    sys.path.insert(0, str(path.parent))  # async env workers import it by name
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
