@@ -198,10 +198,9 @@ def env_worker(name, num_envs, out):
 
 
 def worker_memory(num_envs):
-    """The async envs' start (make_envs and the first reset, wall and CPU of the processes it
-    starts) and each worker's resident (RSS) and proportional (PSS: shared pages split between
-    the processes) memory after 100 steps, with any other process this one started (a fork
-    server) and the trainer's own."""
+    """The async envs' start (make_envs and the first reset, wall time) and each worker's
+    resident (RSS) and proportional (PSS: shared pages split between the processes) memory after
+    100 steps, with any other process this one started (a fork server) and the trainer's own."""
     def mib(pid, name, key):
         line = next(x for x in open(f"/proc/{pid}/{name}") if x.startswith(key))
         return int(line.split()[1]) / 1024
