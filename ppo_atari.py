@@ -678,21 +678,18 @@ def check_args(args: Args, world_size: int = 1):
 
 
 def check_env_id(env_id: str):
-    """ALE image ids of record only: NoFrameskip-v4 (no sticky actions), ALE/...-v5 (0.25)."""
+    """ALE image ids of record only: NoFrameskip-v4 (the published setting), ALE/...-v5."""
     try:
         spec = gym.spec(env_id)
     except gym.error.Error as e:  # gymnasium's message names the unknown part, with a guess
         fail(f"unknown --env-id {env_id!r}: {str(e).strip()} (ids of record look like "
              f"BreakoutNoFrameskip-v4 or ALE/Breakout-v5)")
-    if "ale_py" not in str(spec.entry_point) or spec.kwargs.get("obs_type", "rgb") != "rgb":
-        fail(f"--env-id {env_id!r} is not an Atari image environment; this trainer needs an ALE id "
-             f"such as BreakoutNoFrameskip-v4 or ALE/Pong-v5")
-    if not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):  # ALE/: v5 only
-        name = env_id.split("-")[0].removesuffix("NoFrameskip")
-        what = "sticky actions" if spec.kwargs.get("repeat_action_probability") else "no"
-        what += "" if spec.kwargs.get("frameskip") == 1 else " and a random frame skip"
-        fail(f"--env-id {env_id} has {what.removeprefix('no and ')}; use {name}NoFrameskip-v4 "
-             f"(the published setting) or ALE/{name}-v5 (sticky actions)")
+    ale = "ale_py" in str(spec.entry_point)  # (ale-py registers image ids only)
+    if not ale or not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):
+        name = env_id.split("-")[0].removesuffix("NoFrameskip") if ale else "Breakout"
+        fail(f"--env-id {env_id} is not an Atari image id of record (the other v4 ids and v0 "
+             f"skip frames at random or repeat actions); use {name}NoFrameskip-v4 (the "
+             f"published setting) or ALE/{name}-v5 (sticky actions)")
 
 
 class VideoRecorder(gym.Wrapper):
@@ -706,7 +703,8 @@ class VideoRecorder(gym.Wrapper):
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        self._finish(complete=True)
+        if self.writer is not None:  # the game before is over: its video is complete
+            self.writer = self.writer.release()  # (None)
         k, self.games_state = self.games_state, self.games_state + 1
         if self.every_game or round(k ** (1 / 3)) ** 3 == k or k % 1000 == 0:
             os.makedirs(self.folder, exist_ok=True)
@@ -724,25 +722,20 @@ class VideoRecorder(gym.Wrapper):
             self.writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
         return frame
 
-    def _finish(self, complete: bool):
-        if self.writer is not None:
-            self.writer = self.writer.release()  # (None)
-            if not complete and self.every_game:  # evaluation keeps full games only; training
-                os.remove(self.path)  # keeps the last, cut-off game (a short run may have no other)
-
-    def close(self):
-        self._finish(complete=False)
+    def close(self):  # a game cut off: evaluation keeps full games only; training keeps the
+        if self.writer is not None:  # last (a short run may have no other)
+            self.writer = self.writer.release()
+            if self.every_game:
+                os.remove(self.path)
         super().close()
 
 
 def start_workers(make_async):
-    """make_async(env_worker), the workers born with Ctrl-C and SIGTERM blocked: the trainer
-    decides when to stop. They are forked from a server (started within the mask) that imported
-    torch, so none imports it again and all share its pages; never from the trainer (forked CUDA
-    is unsafe). The exit hook first (a failure while they start must not hang the exit); the
-    resource tracker before the mask (starting it unblocks), silent (after a SIGKILL of the
-    trainer it frees the run's semaphores without a warning)."""
-    atexit.unregister(kill_workers)  # once per process, however many runs it starts
+    """make_async(env_worker) with Ctrl-C and SIGTERM blocked: the workers are born deaf to them
+    (the trainer decides when to stop), forked from a server that imported torch (shared pages;
+    never from the trainer: CUDA). The resource tracker starts first (starting it unblocks),
+    silent: after a SIGKILL of the trainer it frees the semaphores without a warning."""
+    atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
@@ -755,7 +748,7 @@ def start_workers(make_async):
     multiprocessing.set_forkserver_preload(["torch", "torch.utils.tensorboard", "gymnasium",
                                             "ale_py", "cv2"])  # read when the server starts
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:  # meanwhile other threads (catch_stop_signals') receive them
+    try:  # meanwhile catch_stop_signals' thread receives them
         return make_async(env_worker)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -806,14 +799,12 @@ CUDA_ENTRY_POINTS = [(torch.cuda, "is_available"), (torch.cuda, "_lazy_init"),
                      (torch.cuda.random, "_lazy_init")]
 
 
-def no_cuda_init():
-    raise RuntimeError("no CUDA in a --no-cuda run")  # what torch raises without a GPU
-
-
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
     """The one place the device and torch's CPU threads are chosen; say: print which, and why."""
     if not args.cuda:  # until main returns, torch answers as without a GPU: compile's tracing
         # and inductor initialize it (CUDA_VISIBLE_DEVICES, read once, is too late once counted)
+        def no_cuda_init():
+            raise RuntimeError("no CUDA in a --no-cuda run")  # as torch without a GPU
         torch.cuda.is_available = lambda: False
         if not torch.cuda.is_initialized():
             torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init
@@ -855,15 +846,12 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
                 break
         else:
             raise RuntimeError(f"rank 0 did not start within --dist-timeout {timeout_s} s")
-        store.add(f"ppo_atari/in{generation}", 1)
+        store.set(f"ppo_atari/in{generation}/{rank}", "")
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 store=dist.PrefixStore(f"ppo_atari/generation{generation}", store))
-        deadline = time.monotonic() + timeout_s
-        while rank == 0 and store.add(f"ppo_atari/in{generation}", 0) < world_size - 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not every rank joined within --dist-timeout {timeout_s} s")
-            time.sleep(0.1)
+        if rank == 0:  # beating until every rank checked in: torch's wait fails at the timeout
+            store.wait([f"ppo_atari/in{generation}/{r}" for r in range(1, world_size)], timeout)
     finally:
         all_in.set()
 
@@ -1163,10 +1151,9 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: boo
 
 
 def close(envs, writer):
-    if envs is not None:
-        envs.close()
-    if writer is not None:
-        writer.close()
+    for opened in (envs, writer):
+        if opened is not None:
+            opened.close()
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # a group a reference cycle frees at interpreter exit aborts gloo (exit -6)
@@ -1181,15 +1168,14 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
              f"continue it with {n} processes (torchrun --nproc_per_node)")
     where, iterations = shown_path(ckpt["run_dir"]), args.total_timesteps // (batch * world_size)
     if done >= iterations:
-        print(f"{where} is already complete: it has run {step:,} steps and --total-timesteps "
-              f"is {args.total_timesteps:,}; nothing written. To train longer, pass a larger "
-              f"--total-timesteps", flush=True)
+        print(f"{where} is already complete: it has run {step:,} steps of --total-timesteps "
+              f"{args.total_timesteps:,}; nothing written (a larger one trains on)", flush=True)
         return True
     if args.stop_at_step and step >= args.stop_at_step:
-        print(f"{where} has run {step:,} steps, "
-              f"{'already at' if step == args.stop_at_step else 'already past'} --stop-at-step "
-              f"{args.stop_at_step:,}; nothing written. Drop --stop-at-step (or raise it) to "
-              f"continue to {args.total_timesteps:,}", flush=True)
+        print(f"{where} has run {step:,} steps, already "
+              f"{'at' if step == args.stop_at_step else 'past'} --stop-at-step "
+              f"{args.stop_at_step:,}; nothing written (drop or raise it to continue to "
+              f"{args.total_timesteps:,})", flush=True)
         return True
     line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
             f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")
@@ -1235,9 +1221,9 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 def catch_stop_signals():
     """First Ctrl-C or SIGTERM: appended to the list returned (stop at the iteration's end); a
-    second Ctrl-C exits at once; a signal ignored at start (`cmd &`) stays so. Each is taken as it
-    comes, by a thread reading the wakeup fd: Python runs a handler once for two signals that
-    come while the main thread waits in C (on starting workers). Returns (list, release)."""
+    second Ctrl-C exits at once; one ignored at start (`cmd &`) stays so. A thread takes each from
+    the wakeup fd: Python runs one handler for two that come while main waits in C (starting
+    workers). Returns (list, release)."""
     stop, (reader, writer) = [], socket.socketpair()
     writer.setblocking(False)
 

@@ -36,10 +36,12 @@ BAD = {
     "zero_lr": (["--learning-rate", "0"], "--learning-rate must be positive"),
     "unknown_env": (["--env-id", "BreakoutNoFrameskip-v5"], "provides versioned environments: "
                     "[ `v0`, `v4` ]"),
-    "non_atari": (["--env-id", "CartPole-v1"], "is not an Atari image environment"),
-    "frameskip_v4": (["--env-id", "Breakout-v4"], "has a random frame skip; use "
+    "non_atari": (["--env-id", "CartPole-v1"], "CartPole-v1 is not an Atari image id of record"),
+    "frameskip_v4": (["--env-id", "Breakout-v4"], "skip frames at random or repeat actions); use "
                      "BreakoutNoFrameskip-v4 (the published setting) or ALE/Breakout-v5"),
-    "sticky_v0": (["--env-id", "PongNoFrameskip-v0"], "has sticky actions; use PongNoFrameskip-v4"),
+    "sticky_v0": (["--env-id", "PongNoFrameskip-v0"], "not an Atari image id of record (the "
+                  "other v4 ids and v0 skip frames at random or repeat actions); use "
+                  "PongNoFrameskip-v4"),
     # unknown ids: gymnasium's own guess (within the namespace asked for), then the file's hint
     "typo": (["--env-id", "Breakot-v4"], "Did you mean: `Breakout`?"),
     "game_name_only": (["--env-id", "breakout"], "Did you mean: `Breakout`?"),
