@@ -264,7 +264,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      '        next_value = storage["values"][-1]\n',
      "test_details.py::test_the_loss_receives_gae_of_the_rollout"),
     ("rank 0 beats until every rank checked in",
-     "        if rank == 0:  # beating until every rank checked in", "        if False:",
+     "        if rank == 0:  # beating until", "        if False:  # beating until",
      "test_distributed.py::test_a_rank_that_starts_late_joins_when_init_returns_at_once"),
     ("--no-cuda hides CUDA from torch", "        torch.cuda.is_available = lambda: False\n",
      "        pass\n", "test_checkpoint.py::test_a_compiled_bf16_cpu_run_saves_plain_weights_"
