@@ -19,6 +19,7 @@ import importlib.util
 import multiprocessing.resource_tracker
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -562,8 +563,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
 
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
-    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or (
-        f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"))
+    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or new_run_name(
+        args))
     # rank 0 alone records videos, logs and checkpoints (under torchrun)
     video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
     env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
@@ -579,7 +580,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    env_state = wrapper_statistics(envs, world_size) if ckpt is None else None  # all ranks'
+    env_state = wrapper_statistics(envs, world_size, carry) if ckpt is None else None
     writer = begin_run(args, run_dir, ckpt, agent, optimizer, env_state, carry) if rank == 0 \
         else None
 
@@ -618,7 +619,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
         elif now > clock[1]:
             sps = int((global_step - clock[0]) / (now - clock[1]))
         checkpoint = iteration % args.checkpoint_interval == 0 or last
-        env_state = wrapper_statistics(envs, world_size) if checkpoint else None  # all ranks'
+        # what a checkpoint cannot hold is refused now, not at the checkpoint; all ranks' state
+        env_state = wrapper_statistics(envs, world_size, carry, gather=checkpoint)
         if writer is not None:
             stats |= {"charts/learning_rate": lr_now, "charts/clip_coef": clip_value,
                       "charts/SPS": sps, "charts/rollout_time": t1 - t0,
@@ -628,20 +630,18 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             last_print = now if show else last_print
             if checkpoint:
                 writer.flush()  # the logs reach at least as far as the checkpoint
-                if last:  # agent.pt first: a kill between the two leaves the previous checkpoint
-                    save_agent(run_dir, agent, args, global_step, iteration == num_iterations)
                 save_checkpoint(run_dir, agent, optimizer, env_state, args, global_step,
-                                iteration, recent, carry)
+                                iteration, recent, carry, iteration == num_iterations)
         if last:
             break
 
     close(envs, writer)
     if rank == 0:
-        say_how_to_continue(run_dir, args, global_step, stopped,
-                            at_stop and iteration < num_iterations, world_size)
-    if stopped:
-        raise SystemExit(128 + (signals[0] if signals else signal.SIGTERM))  # 130, 143: as
-        # the signal's default action would exit, so a scheduler sees a preempted job
+        say_how_to_continue(run_dir, args, global_step, stopped and (signal.Signals(
+            signals[0]).name if signals else "a signal to another rank"),
+            at_stop and iteration < num_iterations, world_size)
+    if stopped:  # 130, 143: as the signal's default action would exit (a preempted job)
+        raise SystemExit(128 + (signals or [signal.SIGTERM])[0])
     return agent
 
 
@@ -684,17 +684,19 @@ def check_env_id(env_id: str):
     except gym.error.Error as e:  # gymnasium's message names the unknown part, with a guess
         fail(f"unknown --env-id {env_id!r}: {str(e).strip()} (ids of record look like "
              f"BreakoutNoFrameskip-v4 or ALE/Breakout-v5)")
-    ale = "ale_py" in str(spec.entry_point)  # (ale-py registers image ids only)
-    if not ale or not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):
-        name = env_id.split("-")[0].removesuffix("NoFrameskip") if ale else "Breakout"
+    if "ale_py" not in str(spec.entry_point):  # (ale-py registers image ids only)
+        fail(f"--env-id {env_id} is not an Atari game: this file trains on the ALE's Atari ids, "
+             f"such as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
+    if not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):
+        name = env_id.split("-")[0].removesuffix("NoFrameskip")
         fail(f"--env-id {env_id} is not an Atari image id of record (the other v4 ids and v0 "
              f"skip frames at random or repeat actions); use {name}NoFrameskip-v4 (the "
              f"published setting) or ALE/{name}-v5 (sticky actions)")
 
 
 class VideoRecorder(gym.Wrapper):
-    """Writes games to mp4: games 0, 1, 8, 27, ... (cubes) then every 1000th, or with every_game
-    (evaluation) every full game. Innermost: it sees every frame and only real game overs."""
+    """Writes games to mp4: games 0, 1, 8, 27, ... (every cube) and every 1000th, or with
+    every_game (evaluation) every full game. Innermost: it sees every frame, real game overs."""
 
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
@@ -794,9 +796,12 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
-# what a --no-cuda run replaces until main returns
-CUDA_ENTRY_POINTS = [(torch.cuda, "is_available"), (torch.cuda, "_lazy_init"),
-                     (torch.cuda.random, "_lazy_init")]
+def cuda_entry_points() -> list:
+    """What a --no-cuda run replaces until main returns: is_available, and _lazy_init wherever
+    torch.cuda's modules hold it (memory and random import it by name; C++ calls torch.cuda's)."""
+    return [(torch.cuda, "is_available"), *[(m, "_lazy_init") for name, m in [*sys.modules.items()]
+                                            if name.split(".")[:2] == ["torch", "cuda"] and
+                                            hasattr(m, "_lazy_init")]]
 
 
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
@@ -806,8 +811,8 @@ def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) 
         def no_cuda_init():
             raise RuntimeError("no CUDA in a --no-cuda run")  # as torch without a GPU
         torch.cuda.is_available = lambda: False
-        if not torch.cuda.is_initialized():
-            torch.cuda._lazy_init = torch.cuda.random._lazy_init = no_cuda_init
+        for module, name in cuda_entry_points()[1:] * (not torch.cuda.is_initialized()):
+            setattr(module, name, no_cuda_init)
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
@@ -823,15 +828,13 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
     """init_process_group through torchrun's store, under a prefix per start of the workers
     (restarted ones would wait on dead addresses): rank 0 numbers the starts and beats until
     every rank checks in, whether init blocks or not (NCCL's does not)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # not torchrun: env:// init
+    timeout, all_in = datetime.timedelta(seconds=timeout_s), threading.Event()
+    if (store := torchrun_store(timeout_s)) is None:  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
-    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store, all_in = dist.TCPStore(*address, is_master=False, timeout=timeout), threading.Event()
     if rank == 0:
         generation = store.add("ppo_atari/generation", 1)
         store.set("ppo_atari/open", str(generation))
-        beats = dist.TCPStore(*address, is_master=False, timeout=timeout)  # its own connection
+        beats = torchrun_store(timeout_s)  # its own connection
 
         def beat():
             while not all_in.wait(0.1):
@@ -854,6 +857,13 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
             store.wait([f"ppo_atari/in{generation}/{r}" for r in range(1, world_size)], timeout)
     finally:
         all_in.set()
+
+
+def torchrun_store(timeout_s: int):
+    """A connection to torchrun's store, which lives as long as the job (restarts included)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def any_rank_signalled(signals: list, world_size: int, device) -> bool:
@@ -931,8 +941,11 @@ def load_checkpoint(path: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, unsafe pickle, not a torch file at all
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fail(f"cannot load {path} as a safe checkpoint ({first[:160]})")
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (torch's message has ANSI codes)
+        unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        why = f"it holds a pickled {unsafe[1]}, which a weights-only load does not run (a " \
+            f"file this script wrote holds none)" if unsafe else (text or type(e).__name__)
+        fail(f"cannot load {path} as a safe checkpoint: {why.splitlines()[0][:200]}")
     if not isinstance(state, dict) or not {"model", "args"} <= set(state):
         fail(f"{path} is not a checkpoint of this script (no model and args in it)")
     return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
@@ -960,16 +973,19 @@ def wrapper_layers(env):
 
 
 def to_saved(value):
-    """value with numpy arrays and scalars as tensors, which a weights-only load accepts."""
-    return map_tensors(value, lambda a: {"__numpy__": torch.from_numpy(np.array(a)),
+    """value with numpy arrays and scalars as tensors (np.str_ as str), which a weights-only
+    load accepts; from_saved gives them back as numpy, of the same dtype."""
+    return map_tensors(value, lambda a: {"__numpy__": str(a) if isinstance(a, np.str_) else
+                                         torch.from_numpy(np.array(a)),
                                          "scalar": isinstance(a, np.generic)},
-                       lambda v: isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf")
+                       lambda v: isinstance(v, (np.ndarray, np.generic)) and checkpointable(v))
 
 
 def from_saved(value):
     """to_saved's inverse: numpy comes back as numpy, of the same dtype."""
-    return map_tensors(value, lambda d: d["__numpy__"].numpy()[()] if d["scalar"] else
-                       d["__numpy__"].numpy(), lambda v: isinstance(v, dict) and "__numpy__" in v)
+    return map_tensors(value, lambda d: np.str_(d["__numpy__"]) if isinstance(
+        d["__numpy__"], str) else d["__numpy__"].numpy()[()] if d["scalar"] else
+        d["__numpy__"].numpy(), lambda v: isinstance(v, dict) and "__numpy__" in v)
 
 
 def layer_state(env) -> dict:
@@ -1007,16 +1023,21 @@ def env_layer_states(envs) -> list[dict]:
     return [*map(layer_state, envs.envs)] if hasattr(envs, "envs") else [*envs.call("layers_get")]
 
 
-def wrapper_statistics(envs, world_size: int = 1) -> dict:
+def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> dict | None:
     """{"Layer.attr": [each env's value or None], "numbers": env 0's}, every rank's envs in rank
-    order (all ranks call it). An unsavable *_state stops the run at the first checkpoint."""
+    order (all ranks call it; gather=False: None). What a checkpoint cannot hold, in carry or a
+    *_state, stops the run in one line: train asks at every iteration's end."""
     states = env_layer_states(envs)
-    for i, env in enumerate(states):
-        for key, kind in list(env["refused"].items())[:1]:
-            envs.close()
-            fail(f"env {i}'s wrapper state {key} is a {kind}, which a checkpoint cannot hold: "
-                 f"keep *_state attributes as numpy arrays, tensors, numbers, str, None, or "
-                 f"lists, tuples and dicts of them")
+    refused = [(f"env {i}'s wrapper state {key}", kind) for i, env in enumerate(states)
+               for key, kind in env["refused"].items()] + [(f"carry[{k!r}]", type(v).__name__)
+                                                           for k, v in (carry or {}).items()
+                                                           if not checkpointable(v)]
+    for what, kind in refused[:1]:
+        envs.close()
+        fail(f"{what} is a {kind}, which a checkpoint cannot hold: keep it as numbers, str, None,"
+             f" numpy numbers or arrays, tensors, or lists, tuples and dicts of them")
+    if not gather:
+        return None
     numbers = states[0]["numbers"]
     if world_size > 1:  # every rank's envs, rank 0's first
         gathered = [None] * world_size
@@ -1040,8 +1061,9 @@ def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
         set_layer_state(env, state)
     if not hasattr(envs, "envs"):  # async: each worker takes its own env's
         envs.call("layers_set", states)
-    lost = sorted(now ^ kept) + [key for key, value in numbers.items() if not np.array_equal(
-        from_saved(value), from_saved(fresh[0]["numbers"].get(key)))]
+    lost = sorted((now ^ kept) - {count}) + [  # (videos turned on or off: no state lost)
+        key for key, value in numbers.items() if not np.array_equal(
+            from_saved(value), from_saved(fresh[0]["numbers"].get(key)))]
     if lost:
         print(f"note: env wrapper state {lost} is not restored (starts afresh): the checkpoint or "
               f"these envs lack it; resumes keep a wrapper's *_state attributes", flush=True)
@@ -1057,7 +1079,7 @@ def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, devi
         set_rng_state(ckpt["rng"], device)
         if rank > 0:  # rank 0's RNG state is in the checkpoint; the others draw afresh
             torch.manual_seed(seed + rank + 7919 * (ckpt["iteration"] + 1))
-        carry.update(map_tensors(ckpt.get("carry", {}), lambda t: t.to(device)))
+        carry.update(map_tensors(from_saved(ckpt.get("carry", {})), lambda t: t.to(device)))
         recent.extend(ckpt["recent_returns"])
     if dist.is_initialized():  # identical weights and buffers everywhere
         for t in agent.state_dict().values():
@@ -1086,32 +1108,28 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
 
 
 def checkpointable(obj) -> bool:
-    """What a weights-only checkpoint loads: tensors, numbers, str, None, and containers of them."""
+    """What to_saved makes loadable: tensors, numbers, str, None, numpy numbers, bools and
+    str (scalars) and arrays of numbers or bools, and lists, tuples and dicts of them."""
     if isinstance(obj, (list, tuple)):
         return all(checkpointable(v) for v in obj)
     if isinstance(obj, dict):
         return all(isinstance(k, (str, int)) and checkpointable(v) for k, v in obj.items())
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.dtype.kind in "biufc" or isinstance(obj, np.str_)
     return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
 
 
 def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
-                    global_step: int, iteration: int, recent, carry: dict):
-    """checkpoint.pt, written atomically: everything a resume continues (see restore)."""
-    for key in [k for k, v in carry.items() if not checkpointable(v)][:1]:
-        fail(f"carry[{key!r}] is a {type(carry[key]).__name__}, which a checkpoint cannot hold: "
-             f"keep it as tensors, numbers, str, None, or lists, tuples and dicts of them")
-    write_atomically(os.path.join(run_dir, "checkpoint.pt"), {
-        "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-        "args": dataclasses.asdict(args), "global_step": global_step, "iteration": iteration,
+                    global_step: int, iteration: int, recent, carry: dict, finished=False):
+    """agent.pt (the weights --eval-checkpoint scores; finished: at --total-timesteps), then
+    checkpoint.pt (everything a resume continues: see restore), each written atomically."""
+    state = {"model": agent.state_dict(), "args": dataclasses.asdict(args),
+             "global_step": global_step, "finished": finished}
+    write_atomically(os.path.join(run_dir, "agent.pt"), state)
+    write_atomically(os.path.join(run_dir, "checkpoint.pt"), state | {
+        "optimizer": optimizer.state_dict(), "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "env_statistics": env_state, "carry": carry})
-
-
-def save_agent(run_dir: str, agent, args: Args, global_step: int, finished: bool):
-    """agent.pt: the latest weights and their arguments (finished: reached --total-timesteps)."""
-    write_atomically(os.path.join(run_dir, "agent.pt"), {
-        "model": agent.state_dict(), "args": dataclasses.asdict(args),
-        "global_step": global_step, "finished": finished})
+        "env_statistics": env_state, "carry": to_saved(carry)})
 
 
 def torchrun_options(script: str) -> list[str] | None:
@@ -1128,10 +1146,10 @@ def torchrun_options(script: str) -> list[str] | None:
     return None if end is None else argv[start + 1:end]
 
 
-def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: bool,
+def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str | bool,
                         stopped_early: bool, world_size: int):
-    """Where the run is and, if it stopped early, the line that continues it here: the same
-    launcher and its options, and the launch-only options this launch was given (unsaved)."""
+    """Where the run is and, if it stopped early (stopped: by which signal), the line that
+    continues it here: the same launcher and its options, and this launch's launch-only ones."""
     shown = shown_path(run_dir)
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
@@ -1143,11 +1161,10 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: boo
         again += ["--stop-at-step", str(args.stop_at_step)]
     resume = shlex.join([*launcher, sys.argv[0], "--resume", shown, *again])
     print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
-    if stopped:
-        print(f"stopped by signal; checkpoint written; resume with: {resume}", flush=True)
-    elif stopped_early:  # by --stop-at-step
-        print(f"stopped at step {global_step:,} (--stop-at-step); continue to "
-              f"{args.total_timesteps:,} with: {resume}", flush=True)
+    if stopped or stopped_early:
+        print(f"stopped at step {global_step:,} of {args.total_timesteps:,} by "
+              f"{stopped or '--stop-at-step'}; checkpoint written; continue with: {resume}",
+              flush=True)
 
 
 def close(envs, writer):
@@ -1191,14 +1208,19 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     """(args, None) for a new run; (its args with this launch's overrides, checkpoint) for a run
     to continue (--resume, or --run-name with a checkpoint); (None, None): nothing to train."""
     name = args.run_name
+    if args.resume is None and name is None and (store := torchrun_store(args.dist_timeout)):
+        # the job's first start names the run; a restart (--max-restarts) continues it
+        name = store.compare_set("ppo_atari/run_name", "", new_run_name(args)).decode()
+        args = dataclasses.replace(args, run_name=name)
     if args.resume is None and name is not None:  # every run writes its checkpoint first
         folder = os.path.join("runs", name)
         if not name or name.startswith(".") or "/" in name or os.sep in name:
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
         if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
-        # checkpoint.pt.tmp alone: a new run killed while writing its first checkpoint
-        elif os.path.isdir(folder) and set(os.listdir(folder)) - {"checkpoint.pt.tmp"}:
+        # agent.pt, checkpoint.pt.tmp: a new run killed while writing its first checkpoint
+        elif os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt", "agent.pt.tmp",
+                                                                  "checkpoint.pt.tmp"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
@@ -1207,6 +1229,9 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
         fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
+    if "run_name" in explicit and name != (folder := os.path.basename(ckpt["run_dir"])):
+        fail(f"--run-name {name} is not the run --resume {args.resume} continues ({folder}): "
+             f"a resumed run keeps its folder; drop --run-name")
     known = {f.name for f in dataclasses.fields(Args)}
     saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
     for name in sorted(explicit - RESUME_OVERRIDABLE):
@@ -1223,7 +1248,11 @@ def catch_stop_signals():
     """First Ctrl-C or SIGTERM: appended to the list returned (stop at the iteration's end); a
     second Ctrl-C exits at once; one ignored at start (`cmd &`) stays so. A thread takes each from
     the wakeup fd: Python runs one handler for two that come while main waits in C (starting
-    workers). Returns (list, release)."""
+    workers). Returns (list, release). Outside the main thread, signals are the caller's."""
+    if threading.current_thread() is not threading.main_thread():
+        print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
+              "caller", flush=True)
+        return [], lambda: None
     stop, (reader, writer) = [], socket.socketpair()
     writer.setblocking(False)
 
@@ -1238,9 +1267,9 @@ def catch_stop_signals():
         reader.close()
 
     threading.Thread(target=take_signals, daemon=True).start()
+    old_fd = signal.set_wakeup_fd(writer.fileno())  # first: a signal the handlers get is written
     old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)
            if signal.getsignal(s) != signal.SIG_IGN}
-    old_fd = signal.set_wakeup_fd(writer.fileno())
 
     def release():
         signal.set_wakeup_fd(old_fd)
@@ -1250,14 +1279,19 @@ def catch_stop_signals():
     return stop, release
 
 
+def new_run_name(args: Args) -> str:
+    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
 def shown_path(path: str) -> str:
     """A path as printed: relative to the working directory when inside it, else absolute."""
     rel = os.path.relpath(path)
     return os.path.abspath(path) if rel.startswith("..") else rel
 
 
-def evaluate(args: Args, device: torch.device, explicit: set[str]):
-    """Plays full games (all lives, raw score) with a saved agent; the same command, the same."""
+def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list):
+    """Plays full games (all lives, raw score) with a saved agent; the same command, the same. A
+    Ctrl-C or SIGTERM (appended to signals) ends it with the games played so far."""
     torch.manual_seed(args.seed)  # the actions sampled
     path, state = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
@@ -1281,7 +1315,7 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
     writer = SummaryWriter(events)
     obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
     scores, memory = [], {"starts": torch.ones(1, device=device)}
-    while len(scores) < args.eval_episodes:
+    while len(scores) < args.eval_episodes and not signals:
         with torch.inference_mode():  # actions sampled from the policy, as in training
             action = act(agent, torch.as_tensor(obs, device=device), memory)
         obs, _, terminated, truncated, infos = envs.step(action.cpu().numpy())
@@ -1290,10 +1324,16 @@ def evaluate(args: Args, device: torch.device, explicit: set[str]):
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
             print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
-    writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
+    if scores and not signals:
+        writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
     close(envs, writer)
-    print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
-          f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})")
+    if scores:
+        print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
+              f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})", flush=True)
+    if signals:
+        print(f"stopped by {signal.Signals(signals[0]).name} after {len(scores)} of "
+              f"{args.eval_episodes} games", flush=True)
+        raise SystemExit(128 + signals[0])
 
 
 def main(args: Args, explicit: set[str] | None = None):
@@ -1302,8 +1342,8 @@ def main(args: Args, explicit: set[str] | None = None):
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
-    signals, release = catch_stop_signals() if args.eval_checkpoint is None else ([], None)
-    cuda_calls = [getattr(m, name) for m, name in CUDA_ENTRY_POINTS]  # --no-cuda replaces them
+    signals, release = catch_stop_signals()
+    cuda_calls = [(m, name, getattr(m, name)) for m, name in cuda_entry_points()]  # --no-cuda
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
         rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
@@ -1312,7 +1352,7 @@ def main(args: Args, explicit: set[str] | None = None):
             check_args(args, world_size)
         device = choose_device(args, local_rank, local_processes, say=rank == 0)
         if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
-            return evaluate(args, device, explicit) if rank == 0 else None
+            return evaluate(args, device, explicit, signals) if rank == 0 else None
         if world_size > 1:
             join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world_size,
                                args.dist_timeout)
@@ -1323,9 +1363,8 @@ def main(args: Args, explicit: set[str] | None = None):
             fail("--track needs wandb, which is not installed: pip install wandb")
         return train(args, ckpt, device, signals, rank, world_size)
     finally:
-        if release is not None:
-            release()
-        for (module, name), call in zip(CUDA_ENTRY_POINTS, cuda_calls):
+        release()
+        for module, name, call in cuda_calls:
             setattr(module, name, call)
 
 

@@ -114,7 +114,8 @@ def test_torch_threads_are_the_allocation_split_over_torchruns_local_processes(m
     8 cores: 4 threads each, so that they do not oversubscribe); --threads overrides it."""
     choose = getattr(P.choose_device, "real", P.choose_device)  # not the suite's one thread
     # --no-cuda replaces torch.cuda entry points until main returns: put back after the test
-    for module, name in getattr(P, "CUDA_ENTRY_POINTS", [(torch.cuda, "is_available")]):
+    entry_points = getattr(P, "cuda_entry_points", lambda: [(torch.cuda, "is_available")])
+    for module, name in entry_points():
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(P, "usable_cores", lambda: 8)
     before = torch.get_num_threads()
@@ -156,7 +157,7 @@ def test_async_workers_survive_sigterm_to_the_process_group(tmp_path):
     proc.line_starting("step ")
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
+    assert proc.returncode == 143 and "continue with: " in out, err[-2000:]
     (run,) = run_dirs(tmp_path)
     assert P.load_checkpoint(run)["global_step"] >= 64
 

@@ -365,7 +365,8 @@ def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir,
     ckpt = P.load_checkpoint(run)
     assert ckpt["global_step"] == 128 and ckpt["args"]["total_timesteps"] == 4 * 64
     assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False
-    assert "stopped at step 128 (--stop-at-step); continue to 256 with: " in capsys.readouterr().out
+    assert "stopped at step 128 of 256 by --stop-at-step; checkpoint written; continue with: " \
+        in capsys.readouterr().out
     cut = scalars(run)
     assert cut["charts/learning_rate"] == full["charts/learning_rate"][:2]
     assert cut["losses/value_loss"] == full["losses/value_loss"][:2]  # the same training
@@ -382,14 +383,20 @@ def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir,
     assert scalars(run)["charts/learning_rate"] == full["charts/learning_rate"]
 
 
-def test_agent_pt_is_written_atomically(workdir, monkeypatch):
-    """agent.pt goes through write_atomically (temporary file, fsync, rename), as checkpoint.pt
-    does: a crash while writing it leaves the previous agent.pt whole."""
+def test_agent_pt_is_the_latest_weights_written_atomically_before_each_checkpoint(
+        workdir, monkeypatch):
+    """agent.pt (what --eval-checkpoint scores) is written with every checkpoint, just before
+    checkpoint.pt, through write_atomically (temporary file, fsync, rename): after a kill at any
+    instant it holds the weights of the last checkpoint or newer, whole."""
     written, real = [], P.write_atomically
     monkeypatch.setattr(P, "write_atomically", lambda path, state: (written.append(
-        os.path.basename(path)), real(path, state)))
-    P.main(tiny_args(total_timesteps=64))
-    assert written.count("agent.pt") == 1 and "checkpoint.pt" in written
+        (os.path.basename(path), state["global_step"], state["model"])), real(path, state)))
+    P.main(tiny_args(total_timesteps=3 * 64, checkpoint_interval=2, run_name="r"))
+    assert [(name, step) for name, step, _ in written] == [
+        (name, step) for step in (0, 128, 192) for name in ("agent.pt", "checkpoint.pt")], written
+    for (_, _, weights), (_, _, then) in zip(written[::2], written[1::2]):
+        assert all(torch.equal(weights[k], then[k]) for k in weights)
+    assert P.load_checkpoint("runs/r/agent.pt")["finished"] is True
 
 
 def test_a_forks_carry_survives_a_resume(workdir, monkeypatch):
@@ -551,15 +558,20 @@ def test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_initializes_cuda(
     assert len(losses) == 2 and all(np.isfinite(v) for _, v in losses)
 
 
-def test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote(workdir):
+def test_a_resumed_run_keeps_the_videos_its_earlier_launches_wrote(workdir, capsys):
     """--capture-video numbers env 0's games; a resume must number on after the videos already
-    in the folder, not start again at game-0.mp4 and overwrite the first launch's."""
+    in the folder, not start again at game-0.mp4 and overwrite the first launch's. A resume
+    with videos turned off loses no state, and says nothing of the video count."""
     need("main")
-    P.main(tiny_args(total_timesteps=256, stop_at_step=128, run_name="vid", capture_video=True))
+    P.main(tiny_args(total_timesteps=320, stop_at_step=128, run_name="vid", capture_video=True))
     folder = workdir / "runs" / "vid" / "videos"
     first = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
     assert first, "the first launch wrote no video"
-    P.main(tiny_args(total_timesteps=256, run_name="vid", capture_video=True))
+    P.main(tiny_args(total_timesteps=320, stop_at_step=256, run_name="vid", capture_video=True))
+    capsys.readouterr()
+    P.main(tiny_args(total_timesteps=320, run_name="vid", capture_video=False),
+           {"total_timesteps", "run_name", "capture_video"})  # as --no-capture-video gives it
+    assert "note: " not in capsys.readouterr().out, "videos off: a note of state not restored"
     for name, data in first.items():
         assert (folder / name).read_bytes() == data, f"the resume overwrote {name}"
     added = set(os.listdir(folder)) - set(first)
@@ -618,7 +630,6 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
     envs = gym.vector.SyncVectorEnv([Truncating])
     P.save_checkpoint("run", agent, opt, P.wrapper_statistics(envs), tiny_args(), 64, 1, [],
                       {"buffer": torch.ones(2).as_subclass(Foreign)})
-    P.save_agent("run", agent, tiny_args(), 64, False)
     assert set(written) == {"checkpoint.pt", "agent.pt"}
     for name, state in written.items():
         kinds = []
@@ -709,22 +720,22 @@ def test_a_forks_own_wrapper_keeps_its_state_by_the_convention_and_is_named_othe
 
 
 def test_carry_refuses_what_a_checkpoint_cannot_hold_in_one_line(workdir, monkeypatch, capsys):
-    """carry keeps tensors (back on the training device), numbers, str, None and containers of
-    them; anything else (a numpy array, an object) is refused at the first checkpoint, in one
+    """carry keeps tensors (back on the training device), numbers, str, None, numpy and
+    containers of them; anything else (an object) is refused at the first checkpoint, in one
     line naming the key, before any training."""
     need("main")
     real = P.restore
 
     def restore(ckpt, agent, optimizer, envs, carry, *a, **kw):
         real(ckpt, agent, optimizer, envs, carry, *a, **kw)
-        carry["stats"] = np.zeros(3)
+        carry["stats"] = object()
 
     monkeypatch.setattr(P, "restore", restore)
     with pytest.raises(SystemExit) as exit_:
         P.main(tiny_args(total_timesteps=64, run_name="bad"))
     err = capsys.readouterr().err.splitlines()
     assert exit_.value.code == 2 and len(err) == 1, err
-    assert "carry['stats'] is a ndarray, which a checkpoint cannot hold" in err[0]
+    assert "carry['stats'] is a object, which a checkpoint cannot hold" in err[0]
     assert not os.path.exists("runs/bad/checkpoint.pt")
 
 

@@ -36,7 +36,7 @@ BAD = {
     "zero_lr": (["--learning-rate", "0"], "--learning-rate must be positive"),
     "unknown_env": (["--env-id", "BreakoutNoFrameskip-v5"], "provides versioned environments: "
                     "[ `v0`, `v4` ]"),
-    "non_atari": (["--env-id", "CartPole-v1"], "CartPole-v1 is not an Atari image id of record"),
+    "non_atari": (["--env-id", "CartPole-v1"], "--env-id CartPole-v1 is not an Atari game"),
     "frameskip_v4": (["--env-id", "Breakout-v4"], "skip frames at random or repeat actions); use "
                      "BreakoutNoFrameskip-v4 (the published setting) or ALE/Breakout-v5"),
     "sticky_v0": (["--env-id", "PongNoFrameskip-v0"], "not an Atari image id of record (the "
@@ -168,9 +168,9 @@ def test_the_continue_line_is_the_same_command(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
     for on_path, expected in ((sys.executable, "python"), (None, sys.executable)):
         monkeypatch.setattr(P.shutil, "which", lambda name: on_path if name == "python" else None)
-        P.say_how_to_continue("runs/x", P.Args(), 64, True, False, 1)
+        P.say_how_to_continue("runs/x", P.Args(), 64, "SIGTERM", False, 1)
         line = capsys.readouterr().out.splitlines()[-1]
-        assert line.endswith(f"resume with: {expected} ppo_atari.py --resume runs/x"), line
+        assert line.endswith(f"continue with: {expected} ppo_atari.py --resume runs/x"), line
 
 
 def test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own(capsys, monkeypatch,
@@ -183,9 +183,9 @@ def test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own(capsy
     monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
     monkeypatch.setattr(P.shutil, "which", lambda name: sys.executable)
     args = P.Args(cuda=False, threads=3, stop_at_step=5000)
-    P.say_how_to_continue("runs/x", args, 64, True, False, 1)
+    P.say_how_to_continue("runs/x", args, 64, "SIGTERM", False, 1)
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.endswith("resume with: python ppo_atari.py --resume runs/x --no-cuda --threads 3 "
+    assert line.endswith("continue with: python ppo_atari.py --resume runs/x --no-cuda --threads 3 "
                          "--stop-at-step 5000"), line
     P.say_how_to_continue("runs/x", args, 5120, False, True, 1)  # the stop reached: dropped
     line = capsys.readouterr().out.splitlines()[-1]
@@ -198,10 +198,10 @@ def test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own(capsy
         monkeypatch.setattr(P.os, "getppid", lambda: agent.pid)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         time.sleep(0.5)  # its command line is readable once it has started
-        P.say_how_to_continue("runs/x", P.Args(), 64, True, False, 2)
+        P.say_how_to_continue("runs/x", P.Args(), 64, "SIGTERM", False, 2)
     finally:
         agent.kill()
         agent.wait()
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.endswith("resume with: torchrun --standalone --nproc_per_node 2 --rdzv-id "
+    assert line.endswith("continue with: torchrun --standalone --nproc_per_node 2 --rdzv-id "
                          "'job 7' ppo_atari.py --resume runs/x"), line

@@ -199,7 +199,8 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     tallies = lambda: [int(P.from_saved(v)[0]) for v in  # noqa: E731  (per env, rank 0's first)
                        P.load_checkpoint(run)["env_statistics"]["Tally.steps_state"]]
     assert tallies() == [128, 128, 256, 256], tallies()
-    line = next(x for x in out.stdout.splitlines() if "--stop-at-step); continue to" in x)
+    line = next(x for x in out.stdout.splitlines()
+                if "by --stop-at-step; checkpoint written; continue with: " in x)
     command = shlex.split(line.split(" with: ", 1)[1])
     at = next(i for i, token in enumerate(command) if token.endswith("harness.py"))
     assert command[:at] == ["torchrun", "--nproc_per_node", "2", "--master_port",

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, free_port, launch, left_in_session, need, run_dirs,
+from conftest import (SCRIPT, TINY, Launched, free_port, launch, left_in_session, need, run_dirs,
                       run_in_process, scalars)
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
@@ -43,7 +43,8 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    (resume,) = [x.split("resume with: ", 1)[1] for x in out.splitlines() if "resume with: " in x]
+    (resume,) = [x.split("continue with: ", 1)[1] for x in out.splitlines()
+                 if "continue with: " in x]
     assert resume.endswith("--no-cuda --threads 1"), resume  # run below as printed
     first = P.load_checkpoint(run)["global_step"]
     assert ITER <= first < total
@@ -51,7 +52,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
     proc = started(shlex.split(resume), tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "resume with: " in out, err
+    assert proc.returncode == 143 and "continue with: " in out, err
     stopped_at = P.load_checkpoint(run)["global_step"]
     assert first < stopped_at < total
     again = run_in_process(command[2:], tmp_path)  # the same command line, in this process
@@ -285,7 +286,7 @@ INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its e
     "writing the first checkpoint": ("rename:checkpoint.pt:1", JOB, {}, -9),
     "the TensorBoard writer's first event file": ("call:SummaryWriter:1", JOB, {}, -9),
     "writing a later checkpoint": ("rename:checkpoint.pt:3", JOB, {}, -9),
-    "writing the final agent.pt": ("rename:agent.pt:1", JOB, {}, -9),
+    "writing the final agent.pt": ("rename:agent.pt:5", JOB, {}, -9),  # (4 iterations)
     # Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
     # is, and one raised in a finalizer (__del__) is printed and dropped: the run trained on
     # as if never signalled. Caught from main's first instant, it stops after one iteration.
@@ -312,10 +313,26 @@ def instants(tmp_path_factory):
     killed = {name: (p.wait(timeout=150), *p.communicate()) for name, p in procs.items()}
     left = {name: sorted(os.listdir(f / "runs" / "job")) if (f / "runs" / "job").is_dir() else []
             for name, f in folders.items()}
+    later = folders["writing a later checkpoint"]  # README's evaluation command, after kill -9
+    scored = run_in_process(["--eval-checkpoint", "runs/job/agent.pt", "--eval-episodes", "1",
+                             "--no-cuda", "--threads", "1"], later)
+    steps = [P.load_checkpoint(str(later / "runs" / "job" / f))["global_step"]
+             for f in ("checkpoint.pt", "agent.pt")]
     again = {name: run_in_process([*JOB, "--env-backend", "sync"], folders[name])
              for name in INSTANTS}
     again = {name: (out.returncode, out.stdout, out.stderr) for name, out in again.items()}
-    return {name: (folders[name], killed[name], again[name], left[name]) for name in INSTANTS}
+    return {name: (folders[name], killed[name], again[name], left[name]) for name in INSTANTS} | {
+        "scored after kill -9": (scored, *steps)}
+
+
+def test_after_a_kill_9_readmes_evaluation_scores_the_latest_weights(instants):
+    """SIGKILL while the 3rd checkpoint (step 128) is written: checkpoint.pt still holds step
+    64, and agent.pt, written just before it, step 128. `--eval-checkpoint runs/NAME/agent.pt`
+    scores those weights: the latest, never older than the checkpoint a resume continues."""
+    scored, checkpoint_step, agent_step = instants["scored after kill -9"]
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert (checkpoint_step, agent_step) == (64, 128), (checkpoint_step, agent_step)
+    assert "over 1 game (agent at step 128)" in scored.stdout, scored.stdout
 
 
 @pytest.mark.parametrize("instant", list(INSTANTS))
@@ -324,9 +341,9 @@ def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(instants,
     assert code == INSTANTS[instant][3], (code, err[-2000:])
     run = folder / "runs" / "job"
     if instant == "writing the first checkpoint":
-        assert left == ["checkpoint.pt.tmp"], left
+        assert left == ["agent.pt", "checkpoint.pt.tmp"], left
     if code > 0:  # caught and acted on: a checkpoint after the first iteration, no traceback
-        assert "resume with: " in out and "Traceback" not in err, (out, err[-2000:])
+        assert "continue with: " in out and "Traceback" not in err, (out, err[-2000:])
     assert again_code == 0, again_err[-2000:]
     if instant == "writing the final agent.pt":  # written before the final checkpoint
         assert "continuing runs/job at step 192 of 256" in again_out, again_out
@@ -394,7 +411,7 @@ def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     assert wait_for(reached + 2) >= reached + 2, "the ignored Ctrl-C stopped the run"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "resume with: " in out, err[-2000:]
+    assert proc.returncode == 143 and "continue with: " in out, err[-2000:]
 
 
 def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):
@@ -423,7 +440,8 @@ def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process
     assert proc.returncode == 1 and "SignalException" in err, (proc.returncode, err[-2000:])
     for noise in ("_async_worker", "BrokenPipeError", "EOFError", "leaked"):
         assert noise not in ours, err[-3000:]
-    (resume,) = [x.split("resume with: ", 1)[1] for x in out.splitlines() if "resume with: " in x]
+    (resume,) = [x.split("continue with: ", 1)[1] for x in out.splitlines()
+                 if "continue with: " in x]
     assert resume.startswith("torchrun --standalone --nproc_per_node 2 "), resume
     assert P.load_checkpoint(str(tmp_path / "runs" / "tr"))["global_step"] >= 2 * ITER
 
@@ -467,9 +485,69 @@ def test_a_two_node_torchrun_job_stopped_with_async_workers(tmp_path):
         ours = "\n".join(x for x in err.splitlines() if "torch/distributed" not in x)
         for noise in ("_async_worker", "BrokenPipeError", "EOFError", "leaked"):
             assert noise not in ours, err[-3000:]
-    (resume,) = [x.split("resume with: ", 1)[1] for out in outs for x in out.splitlines()
-                 if "resume with: " in x]
+    (resume,) = [x.split("continue with: ", 1)[1] for out in outs for x in out.splitlines()
+                 if "continue with: " in x]
     assert resume.startswith(f"torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
                              f"--rdzv_endpoint 127.0.0.1:{port} "), resume
-    (run,) = [tmp_path / f"node{n}" / "runs" / "mn" for n in (0, 1) if "resume with" in outs[n]]
+    (run,) = [tmp_path / f"node{n}" / "runs" / "mn" for n in (0, 1) if "continue with" in outs[n]]
     assert P.load_checkpoint(str(run))["global_step"] >= 2 * ITER
+
+
+def rank_process(agent: int, rank: int, within=60.0) -> int:
+    """The pid of the trainer of this rank (RANK in its environment) that torchrun's agent
+    started (in a session of its own)."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == agent and f"RANK={rank}".encode() in environ:
+                return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} started by {agent}")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration(tmp_path, nodes):
+    """A multi-node preemption's SIGTERMs land in different iterations, or one node gets its own
+    notice: here only rank 1's trainer is signalled (torchrun with two processes; two agents as
+    two nodes, node-local folders). The stop is agreed over ranks at each iteration's end, so
+    rank 0 stops in the same iteration: one checkpoint (rank 0's folder only), at the step its
+    line names, and the line that continues the run, well within --dist-timeout (a rank left
+    training would wait that long in the next all-reduce, then fail)."""
+    need("main")
+    common = [SCRIPT, *TINY, "--total-timesteps", "100000", "--run-name", "one",
+              "--dist-timeout", "30"]
+    if nodes == 1:
+        commands = [["--standalone", "--nproc_per_node", "2"]]
+    else:
+        port = free_port()
+        commands = [["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                     "--rdzv_endpoint", f"127.0.0.1:{port}"]] * 2
+    agents, folders = [], []
+    for node, options in enumerate(commands):
+        folders.append(tmp_path / f"node{node}")
+        folders[-1].mkdir()
+        agents.append(Launched(
+            [sys.executable, "-m", "torch.distributed.run", *options, *common],
+            folders[-1] / "out.txt", folders[-1] / "err.txt", cwd=folders[-1],
+            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    try:
+        assert agents[0].line_starting("step ", timeout=200), agents[0].communicate()[1][-2000:]
+        start = time.time()
+        os.kill(rank_process(agents[-1].pid, 1), signal.SIGTERM)
+        outs = [agent.communicate(timeout=120)[0] for agent in agents]
+        seconds = time.time() - start
+    finally:
+        for agent in agents:
+            agent.kill()
+    lines = [x for x in outs[0].splitlines() if "continue with: " in x]
+    assert len(lines) == 1 and " by a signal to another rank; checkpoint written;" in lines[0], \
+        outs[0][-2000:]
+    step = int(lines[0].split("stopped at step ")[1].split(" of ")[0].replace(",", ""))
+    assert P.load_checkpoint(str(folders[0] / "runs" / "one"))["global_step"] == step
+    assert not any((f / "runs" / "one" / "checkpoint.pt").exists() for f in folders[1:])
+    assert seconds < 30, f"rank 0 stopped {seconds:.0f} s after rank 1: at --dist-timeout"
