@@ -563,8 +563,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
 
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
-    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name or new_run_name(
-        args))
+    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name)  # resolve_run's
     # rank 0 alone records videos, logs and checkpoints (under torchrun)
     video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
     env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
@@ -733,10 +732,9 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async(env_worker) with Ctrl-C and SIGTERM blocked: the workers are born deaf to them
-    (the trainer decides when to stop), forked from a server that imported torch (shared pages;
-    never from the trainer: CUDA). The resource tracker starts first (starting it unblocks),
-    silent: after a SIGKILL of the trainer it frees the semaphores without a warning."""
+    """make_async(env_worker) with Ctrl-C and SIGTERM blocked (workers born deaf to them), forked
+    from a server that imported torch (shared pages; never the trainer: CUDA); the resource
+    tracker first (starting it unblocks) and silent: after a SIGKILL, no semaphore warnings."""
     atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -777,8 +775,7 @@ def env_worker(index, env_fn, *args, **kwargs):
 
 def kill_workers():
     """At exit: multiprocessing would SIGTERM the workers, which ignore it, and wait forever."""
-    for p in [p for p in multiprocessing.active_children() if p.daemon]:
-        p.kill()
+    [p.kill() for p in multiprocessing.active_children() if p.daemon]
 
 
 def usable_cores() -> int:
@@ -798,10 +795,10 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
 
 def cuda_entry_points() -> list:
     """What a --no-cuda run replaces until main returns: is_available, and _lazy_init wherever
-    torch.cuda's modules hold it (memory and random import it by name; C++ calls torch.cuda's)."""
-    return [(torch.cuda, "is_available"), *[(m, "_lazy_init") for name, m in [*sys.modules.items()]
-                                            if name.split(".")[:2] == ["torch", "cuda"] and
-                                            hasattr(m, "_lazy_init")]]
+    torch.cuda's modules hold it (memory and random by name; C++ calls torch.cuda's)."""
+    return [(torch.cuda, "is_available")] + [(m, "_lazy_init") for n, m in [*sys.modules.items()]
+                                             if n.split(".")[:2] == ["torch", "cuda"]
+                                             and hasattr(m, "_lazy_init")]
 
 
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
@@ -825,9 +822,8 @@ def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) 
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
-    """init_process_group through torchrun's store, under a prefix per start of the workers
-    (restarted ones would wait on dead addresses): rank 0 numbers the starts and beats until
-    every rank checks in, whether init blocks or not (NCCL's does not)."""
+    """init_process_group through torchrun's store, prefixed per start of the workers (restarted
+    ones would wait on dead addresses); rank 0 beats until every rank checks in (NCCL: no wait)."""
     timeout, all_in = datetime.timedelta(seconds=timeout_s), threading.Event()
     if (store := torchrun_store(timeout_s)) is None:  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -941,11 +937,10 @@ def load_checkpoint(path: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, unsafe pickle, not a torch file at all
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (torch's message has ANSI codes)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip() or type(e).__name__  # ANSI codes
         unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        why = f"it holds a pickled {unsafe[1]}, which a weights-only load does not run (a " \
-            f"file this script wrote holds none)" if unsafe else (text or type(e).__name__)
-        fail(f"cannot load {path} as a safe checkpoint: {why.splitlines()[0][:200]}")
+        fail(f"cannot load {path} as a safe checkpoint: " + (f"it holds a pickled {unsafe[1]}, "
+             f"which a weights-only load does not run" if unsafe else text.splitlines()[0][:200]))
     if not isinstance(state, dict) or not {"model", "args"} <= set(state):
         fail(f"{path} is not a checkpoint of this script (no model and args in it)")
     return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
@@ -989,9 +984,8 @@ def from_saved(value):
 
 
 def layer_state(env) -> dict:
-    """One env's wrapper state by "Layer.attr": "state" to keep (*_state attributes, running
-    statistics, games played), "refused" (unsavable *_state: its type), "numbers" (the other
-    numbers of the wrappers not gymnasium's or ale-py's: a resume names those that changed)."""
+    """One env's wrapper state by "Layer.attr": "state" (*_state, running statistics, games),
+    "refused" (unsavable: its type), "numbers" (the file's and a fork's wrappers' others)."""
     out = {"state": {}, "refused": {}, "numbers": {}}
     for name, layer in wrapper_layers(env):
         own = type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py")
@@ -1024,9 +1018,8 @@ def env_layer_states(envs) -> list[dict]:
 
 
 def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> dict | None:
-    """{"Layer.attr": [each env's value or None], "numbers": env 0's}, every rank's envs in rank
-    order (all ranks call it; gather=False: None). What a checkpoint cannot hold, in carry or a
-    *_state, stops the run in one line: train asks at every iteration's end."""
+    """{"Layer.attr": [each env's value or None], "numbers": env 0's}, all ranks' envs (all call
+    it; gather=False: None). What a checkpoint cannot hold (carry, *_state) stops the run."""
     states = env_layer_states(envs)
     refused = [(f"env {i}'s wrapper state {key}", kind) for i, env in enumerate(states)
                for key, kind in env["refused"].items()] + [(f"carry[{k!r}]", type(v).__name__)
@@ -1108,8 +1101,7 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
 
 
 def checkpointable(obj) -> bool:
-    """What to_saved makes loadable: tensors, numbers, str, None, numpy numbers, bools and
-    str (scalars) and arrays of numbers or bools, and lists, tuples and dicts of them."""
+    """What to_saved makes loadable: tensors, numbers, str, None, numpy (not objects), nested."""
     if isinstance(obj, (list, tuple)):
         return all(checkpointable(v) for v in obj)
     if isinstance(obj, dict):
@@ -1208,11 +1200,12 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     """(args, None) for a new run; (its args with this launch's overrides, checkpoint) for a run
     to continue (--resume, or --run-name with a checkpoint); (None, None): nothing to train."""
     name = args.run_name
-    if args.resume is None and name is None and (store := torchrun_store(args.dist_timeout)):
-        # the job's first start names the run; a restart (--max-restarts) continues it
-        name = store.compare_set("ppo_atari/run_name", "", new_run_name(args)).decode()
+    if args.resume is None and name is None:  # a dated name; under torchrun, the job's first
+        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        if store := torchrun_store(args.dist_timeout):  # start's, which a restart continues
+            name = store.compare_set("ppo_atari/run_name", "", name).decode()
         args = dataclasses.replace(args, run_name=name)
-    if args.resume is None and name is not None:  # every run writes its checkpoint first
+    if args.resume is None:  # every run writes its checkpoint first
         folder = os.path.join("runs", name)
         if not name or name.startswith(".") or "/" in name or os.sep in name:
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
@@ -1245,10 +1238,9 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def catch_stop_signals():
-    """First Ctrl-C or SIGTERM: appended to the list returned (stop at the iteration's end); a
-    second Ctrl-C exits at once; one ignored at start (`cmd &`) stays so. A thread takes each from
-    the wakeup fd: Python runs one handler for two that come while main waits in C (starting
-    workers). Returns (list, release). Outside the main thread, signals are the caller's."""
+    """First Ctrl-C or SIGTERM: appended to the list returned; a second Ctrl-C exits at once; one
+    ignored at start (`cmd &`) stays so. A thread reads each from the wakeup fd (Python runs one
+    handler for two that come while main waits in C). Returns (list, release)."""
     if threading.current_thread() is not threading.main_thread():
         print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
               "caller", flush=True)
@@ -1277,10 +1269,6 @@ def catch_stop_signals():
             signal.signal(s, handler)
         writer.close()  # the thread's recv returns b"": it ends
     return stop, release
-
-
-def new_run_name(args: Args) -> str:
-    return f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
 def shown_path(path: str) -> str:
@@ -1324,13 +1312,12 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
             scores.append(score)
             writer.add_scalar("eval/episodic_return", score, len(scores))
             print(f"game {len(scores)}: score {score:.0f}, {length} frames", flush=True)
-    if scores and not signals:
-        writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
-    close(envs, writer)
     if scores:
+        writer.add_scalar("eval/mean_episodic_return", np.mean(scores), step)
         print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
               f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})", flush=True)
-    if signals:
+    close(envs, writer)
+    if signals:  # 130, 143
         print(f"stopped by {signal.Signals(signals[0]).name} after {len(scores)} of "
               f"{args.eval_episodes} games", flush=True)
         raise SystemExit(128 + signals[0])

@@ -2,6 +2,7 @@
     python tests/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
     python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
     python tests/benchmark.py --worker-memory          # each async env worker's memory
+    python tests/benchmark.py --stop-latency 6         # SIGTERM to checkpoint, default flags
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -229,6 +230,37 @@ def worker_memory(num_envs):
     envs.close()
 
 
+def stop_latency(trials, num_envs, cuda):
+    """Seconds from a SIGTERM to the checkpoint it asks for, and to the process's exit, for the
+    default flags: each trial starts a run, waits for its first iteration's line, then sends the
+    signal at an instant spread over the next iteration (what torchrun's 30 s before SIGKILL
+    must cover)."""
+    with tempfile.TemporaryDirectory() as cwd:
+        flags = ["--num-envs", str(num_envs)] + ([] if cuda else ["--no-cuda"])
+        seen = []
+        for k in range(trials):
+            proc = subprocess.Popen([sys.executable, SCRIPT, *flags, "--run-name", f"t{k}"],
+                                    cwd=cwd, stdout=subprocess.PIPE, text=True)
+            first = time.time()
+            for line in proc.stdout:
+                if line.startswith("step "):
+                    break
+            per_iteration = time.time() - first  # start-up included: an upper bound
+            time.sleep(min(per_iteration, 4.0) * k / trials)
+            checkpoint = os.path.join(cwd, "runs", f"t{k}", "checkpoint.pt")
+            before, sent = os.path.getmtime(checkpoint), time.time()
+            proc.send_signal(15)
+            proc.communicate(timeout=300)
+            written = os.path.getmtime(checkpoint)
+            seen.append((written - sent if written > before else float("nan"),
+                         time.time() - sent, proc.returncode))
+            print(f"trial {k + 1}: checkpoint {seen[-1][0]:.2f} s after SIGTERM, exit "
+                  f"{seen[-1][1]:.2f} s after (code {proc.returncode})", flush=True)
+    print(f"# {trials} trials, {num_envs} envs x 128 steps, {'CUDA' if cuda else 'CPU'}, "
+          f"{os.cpu_count()} cores: worst checkpoint {max(s[0] for s in seen):.2f} s, worst "
+          f"exit {max(s[1] for s in seen):.2f} s after the signal")
+
+
 def flops_and_peak(num_envs, device):
     """FLOPs of one iteration (torch's flop counter: the update's 16 minibatch forward+backward
     passes, the rollout's 128 batched forward passes) and the device's dense matmul rate, the
@@ -291,6 +323,8 @@ def main():
                         help="skip the compute-only and env-only runs (one process per row)")
     parser.add_argument("--worker-memory", action="store_true",
                         help="print the resident memory of each async env worker, then exit")
+    parser.add_argument("--stop-latency", type=int, metavar="TRIALS",
+                        help="seconds from SIGTERM to the checkpoint over TRIALS runs, then exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -303,6 +337,8 @@ def main():
         return bound_worker(a.worker, a.num_envs, device, a.out)
     if a.worker_memory:
         return worker_memory(a.num_envs)
+    if a.stop_latency:
+        return stop_latency(a.stop_latency, a.num_envs, a.cuda)
 
     batch = a.num_envs * 128
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
