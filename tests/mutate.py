@@ -4,15 +4,21 @@ breaks?
     python tests/mutate.py                 # every detail (about 10 minutes on 2 cores)
     python tests/mutate.py --only entropy  # the details whose name contains "entropy"
     python tests/mutate.py --script ~/my-experiment/ppo_atari.py   # against a fork
+    python tests/mutate.py --control       # the unbroken file through the runner's own path
+(--only on the repository's file skips the control; a full run and a fork's run start with it)
 
-For each (detail, fragment of the file, broken replacement) below it copies the repository's
-tests and a broken copy of the file (the repository's ppo_atari.py, or --script) to a temporary
-folder, runs `pytest -x --script` on it there (the fast unit tests first, so a caught detail
-costs seconds), and prints CAUGHT (a test failed), MISSED (the whole suite passed) or GONE (the
-fragment is not in the file exactly once: the fork rewrote it, or the table needs updating).
-With --script it first runs the whole suite on the unbroken copy: the tests that already fail
-there (the published settings a fork changed on purpose) are left out of every run, so that
-they cannot pass for a caught detail. Exit code 1 unless every detail is CAUGHT.
+For each (detail, fragment of the file, broken replacement) below it copies the repository (what
+the suite reads: tests/, README.md, requirements.txt; not .git, .venv or runs/) with a broken
+copy of the file (the repository's ppo_atari.py, or --script) to a temporary folder, runs
+`pytest -x --script` on it there (the detail's own test first, then the fast files, so a caught
+detail costs seconds), and prints CAUGHT (a test failed), MISSED (the whole suite passed) or
+GONE (the fragment is not in the file exactly once: the fork rewrote it, or the table needs
+updating). Only tests whose subject is the file's behaviour count: the README's figures and the
+tooling's own tests (NOT_DETAILS) never run for a mutant. Every run starts with the control: the
+unbroken copy through the same path (copy, files, order); on the repository's file it must
+pass, or the run stops (exit 2); on a fork, the tests that already fail there (the published
+settings the fork changed on purpose) are left out of every run, so that no mutant is counted
+caught by a test that fails anyway. Exit code 1 unless every detail is CAUGHT.
 """
 import argparse
 import os
@@ -24,6 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fast, focused files first: pytest -x stops at the first failure
+NOT_DETAILS = ["test_readme.py", "test_plot_curves.py", "test_measuring.py"]  # figures, tooling
 ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_devices.py",
          "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
          "test_preemption.py", "test_distributed.py"]
@@ -381,23 +388,34 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
 ]
 
 
-def baseline_failures(script, files):
-    """The tests that fail on the unbroken copy (pytest node ids)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--script", script, *[os.path.join(ROOT, "tests", f) for f in files]],
-                         cwd=ROOT, capture_output=True, text=True)
-    return [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("FAILED ")]
+def copy_repository(tmp: str, source: str) -> str:
+    """The repository as the suite reads it, in tmp, with source as its ppo_atari.py."""
+    shutil.copytree(ROOT, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "__pycache__", ".pytest_cache", "wandb", "parity-runs"))
+    script = os.path.join(tmp, "ppo_atari.py")
+    with open(script, "w") as f:
+        f.write(source)
+    return script
+
+
+def control(source, files, timeout):
+    """The unbroken copy through the runner's own path, every file: the tests that fail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = copy_repository(tmp, source)
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "--script", script, *[os.path.join("tests", f) for f in files]],
+                             cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    failed = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith(("FAILED ",
+                                                                                "ERROR "))]
+    return failed + ([] if out.returncode in (0, 1) or failed else
+                     [f"(pytest exit {out.returncode})"])
 
 
 def run_one(source, fragment, replacement, files, timeout, first=None, deselect=()):
     if source.count(fragment) != 1:
         return "GONE", 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(tmp, "tests"),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        script = os.path.join(tmp, "ppo_atari.py")
-        with open(script, "w") as f:
-            f.write(source.replace(fragment, replacement))
+        script = copy_repository(tmp, source.replace(fragment, replacement))
         start = time.time()
         # a detail's own test (file::test) runs alone first: given beside its file, pytest
         # would run it in the file's order instead
@@ -415,7 +433,8 @@ def run_one(source, fragment, replacement, files, timeout, first=None, deselect=
                     break
             verdict = "CAUGHT" if out.returncode == 1 else "MISSED" if out.returncode == 0 else \
                 f"ERROR (pytest exit {out.returncode})"
-            failed = [ln for ln in out.stdout.splitlines() if ln.startswith("FAILED ")]
+            failed = [ln for ln in out.stdout.splitlines() if ln.startswith(("FAILED ",
+                                                                              "ERROR "))]
             if failed:
                 verdict += " by " + failed[0].split()[1].split(" ")[0]
         except subprocess.TimeoutExpired:
@@ -430,16 +449,22 @@ def main():
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation")
     parser.add_argument("--script", default=os.path.join(ROOT, "ppo_atari.py"),
                         help="the copy of ppo_atari.py to break (default: the repository's)")
+    parser.add_argument("--control", action="store_true",
+                        help="only the control: the unbroken copy through the runner's path")
     a = parser.parse_args()
     source = open(a.script).read()
     files = [f for f in ORDER if os.path.exists(os.path.join(ROOT, "tests", f))]
-    files += sorted(f for f in os.listdir(os.path.join(ROOT, "tests"))
-                    if f.startswith("test_") and f.endswith(".py") and f not in files)
+    files += sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_")
+                    and f.endswith(".py") and f not in files and f not in NOT_DETAILS)
     start, results, deselect = time.time(), [], []
-    if os.path.abspath(a.script) != os.path.join(ROOT, "ppo_atari.py"):
-        deselect = baseline_failures(os.path.abspath(a.script), files)
-        print(f"the unbroken copy fails {len(deselect)} test(s), left out: "
-              f"{', '.join(deselect) or 'none'}", flush=True)
+    own = os.path.abspath(a.script) == os.path.join(ROOT, "ppo_atari.py")
+    if a.control or not a.only or not own:  # (--only on the repository's file: no control)
+        deselect = control(source, files, a.timeout * 4)
+        print(f"control: the unbroken copy fails {len(deselect)} test(s) in "
+              f"{time.time() - start:.0f} s{': ' + ', '.join(deselect) if deselect else ''}",
+              flush=True)
+        if a.control or (deselect and own):
+            return 2 if deselect else 0  # the repository's file must pass its own suite
     for detail, fragment, replacement, *first in MUTATIONS:
         if not any(part in detail for part in a.only.split(",")):
             continue

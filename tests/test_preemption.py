@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import ppo_atari as P
 from conftest import (SCRIPT, TINY, Launched, free_port, launch, left_in_session, need, run_dirs,
@@ -316,8 +317,8 @@ def instants(tmp_path_factory):
     later = folders["writing a later checkpoint"]  # README's evaluation command, after kill -9
     scored = run_in_process(["--eval-checkpoint", "runs/job/agent.pt", "--eval-episodes", "1",
                              "--no-cuda", "--threads", "1"], later)
-    steps = [P.load_checkpoint(str(later / "runs" / "job" / f))["global_step"]
-             for f in ("checkpoint.pt", "agent.pt")]
+    steps = [torch.load(later / "runs" / "job" / f)["global_step"] if (
+        later / "runs" / "job" / f).is_file() else None for f in ("checkpoint.pt", "agent.pt")]
     again = {name: run_in_process([*JOB, "--env-backend", "sync"], folders[name])
              for name in INSTANTS}
     again = {name: (out.returncode, out.stdout, out.stderr) for name, out in again.items()}
