@@ -755,8 +755,8 @@ def start_workers(make_async):
 
 
 def env_worker(index, env_fn, *args, **kwargs):
-    """An async env's process: gymnasium's worker loop, deaf to Ctrl-C and SIGTERM, one OpenCV
-    thread; envs.call("layers_get"/"layers_set") reads or sets its env's wrapper state."""
+    """An async env's process: gymnasium 1.4's worker loop, deaf to signals, one cv2 thread;
+    envs.call("layers_get"/"layers_set") reads or sets its env's wrapper state."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
@@ -968,8 +968,7 @@ def wrapper_layers(env):
 
 
 def to_saved(value):
-    """value with numpy arrays and scalars as tensors (np.str_ as str), which a weights-only
-    load accepts; from_saved gives them back as numpy, of the same dtype."""
+    """value with numpy as tensors (np.str_ as str), which a weights-only load accepts."""
     return map_tensors(value, lambda a: {"__numpy__": str(a) if isinstance(a, np.str_) else
                                          torch.from_numpy(np.array(a)),
                                          "scalar": isinstance(a, np.generic)},
@@ -1113,8 +1112,7 @@ def checkpointable(obj) -> bool:
 
 def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
                     global_step: int, iteration: int, recent, carry: dict, finished=False):
-    """agent.pt (the weights --eval-checkpoint scores; finished: at --total-timesteps), then
-    checkpoint.pt (everything a resume continues: see restore), each written atomically."""
+    """agent.pt (the weights alone), then checkpoint.pt (see restore), each written atomically."""
     state = {"model": agent.state_dict(), "args": dataclasses.asdict(args),
              "global_step": global_step, "finished": finished}
     write_atomically(os.path.join(run_dir, "agent.pt"), state)
@@ -1125,8 +1123,7 @@ def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
 
 
 def torchrun_options(script: str) -> list[str] | None:
-    """torchrun's own options as its agent (this process's parent) was started; None where the
-    parent is not torchrun or cannot be read."""
+    """torchrun's own options as its agent (this process's parent) was started, or None."""
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")[:-1]
@@ -1140,8 +1137,7 @@ def torchrun_options(script: str) -> list[str] | None:
 
 def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str | bool,
                         stopped_early: bool, world_size: int):
-    """Where the run is and, if it stopped early (stopped: by which signal), the line that
-    continues it here: the same launcher and its options, and this launch's launch-only ones."""
+    """Where the run is and, stopped early (stopped: by what), the same launch to continue it."""
     shown = shown_path(run_dir)
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
@@ -1278,8 +1274,7 @@ def shown_path(path: str) -> str:
 
 
 def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list):
-    """Plays full games (all lives, raw score) with a saved agent; the same command, the same. A
-    Ctrl-C or SIGTERM (appended to signals) ends it with the games played so far."""
+    """Plays full games (all lives, raw score) with a saved agent, until done or signalled."""
     torch.manual_seed(args.seed)  # the actions sampled
     path, state = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
     trained, run_dir, step = state["args"]["env_id"], state["run_dir"], state.get("global_step", 0)
@@ -1324,8 +1319,7 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
 
 
 def main(args: Args, explicit: set[str] | None = None):
-    """Trains (returns the agent; None: nothing to train) or evaluates; Ctrl-C and SIGTERM are
-    caught throughout. explicit: the fields given on the command line (None: not default)."""
+    """Trains (returns the agent; None: nothing to train) or evaluates; explicit: CLI fields."""
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
