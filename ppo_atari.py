@@ -755,8 +755,7 @@ def start_workers(make_async):
 
 
 def env_worker(index, env_fn, *args, **kwargs):
-    """An async env's process: gymnasium 1.4's worker loop, deaf to signals, one cv2 thread;
-    envs.call("layers_get"/"layers_set") reads or sets its env's wrapper state."""
+    """An async env's process: gymnasium 1.4's worker loop, deaf to signals, one cv2 thread."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
@@ -794,8 +793,7 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
 
 
 def cuda_entry_points() -> list:
-    """What a --no-cuda run replaces until main returns: is_available, and _lazy_init wherever
-    torch.cuda's modules hold it (memory and random by name; C++ calls torch.cuda's)."""
+    """What --no-cuda replaces until main returns: is_available, every torch.cuda _lazy_init."""
     return [(torch.cuda, "is_available")] + [(m, "_lazy_init") for n, m in [*sys.modules.items()]
                                              if n.split(".")[:2] == ["torch", "cuda"]
                                              and hasattr(m, "_lazy_init")]
@@ -1193,8 +1191,7 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
 
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """(args, None) for a new run; (its args with this launch's overrides, checkpoint) for a run
-    to continue (--resume, or --run-name with a checkpoint); (None, None): nothing to train."""
+    """(args, None): a new run; (args with this launch's overrides, checkpoint); (None, None)."""
     name = args.run_name
     if args.resume is None and name is None:  # a dated name; under torchrun, the job's first
         name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
