@@ -694,8 +694,7 @@ def check_env_id(env_id: str):
 
 
 class VideoRecorder(gym.Wrapper):
-    """Writes games to mp4: games 0, 1, 8, 27, ... (every cube) and every 1000th, or with
-    every_game (evaluation) every full game. Innermost: it sees every frame, real game overs."""
+    """Innermost, games to mp4: 0, 1, 8, 27, ... (cubes) and every 1000th; every_game: all."""
 
     def __init__(self, env, folder: str, every_game: bool = False):
         super().__init__(env)
@@ -732,9 +731,8 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async(env_worker) with Ctrl-C and SIGTERM blocked (workers born deaf to them), forked
-    from a server that imported torch (shared pages; never the trainer: CUDA); the resource
-    tracker first (starting it unblocks) and silent: after a SIGKILL, no semaphore warnings."""
+    """make_async(env_worker), signals blocked (workers born deaf), forked from a server that
+    imported torch (not the trainer: CUDA); the resource tracker first, silent after SIGKILL."""
     atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -820,8 +818,7 @@ def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) 
 
 
 def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int):
-    """init_process_group through torchrun's store, prefixed per start of the workers (restarted
-    ones would wait on dead addresses); rank 0 beats until every rank checks in (NCCL: no wait)."""
+    """init_process_group via torchrun's store, per start; rank 0 beats until all check in."""
     timeout, all_in = datetime.timedelta(seconds=timeout_s), threading.Event()
     if (store := torchrun_store(timeout_s)) is None:  # not torchrun: env:// init
         return dist.init_process_group(backend, timeout=timeout)
@@ -870,8 +867,7 @@ def any_rank_signalled(signals: list, world_size: int, device) -> bool:
 
 
 def all_reduce_gradients(agent: nn.Module, world_size: int):
-    """Averages the gradients over ranks in one flat all-reduce; parameters without a gradient
-    (frozen, or unused by the loss) are skipped: the same ones on every rank."""
+    """The mean gradient over ranks, one flat all-reduce; parameters without one are skipped."""
     grads = [p.grad for p in agent.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads]) / world_size
     dist.all_reduce(flat)
@@ -981,8 +977,7 @@ def from_saved(value):
 
 
 def layer_state(env) -> dict:
-    """One env's wrapper state by "Layer.attr": "state" (*_state, running statistics, games),
-    "refused" (unsavable: its type), "numbers" (the file's and a fork's wrappers' others)."""
+    """One env's layers' "Layer.attr": "state" (*_state, statistics), "refused", "numbers"."""
     out = {"state": {}, "refused": {}, "numbers": {}}
     for name, layer in wrapper_layers(env):
         own = type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py")
@@ -1192,25 +1187,31 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
     """(args, None): a new run; (args with this launch's overrides, checkpoint); (None, None)."""
-    name = args.run_name
-    if args.resume is None and name is None:  # a dated name; under torchrun, the job's first
+    name, new = args.run_name, args.resume is None and args.run_name is None
+    if new:  # a dated name; under torchrun, the job's first start's, which a restart continues
         name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        if store := torchrun_store(args.dist_timeout):  # start's, which a restart continues
-            name = store.compare_set("ppo_atari/run_name", "", name).decode()
+        if store := torchrun_store(args.dist_timeout):
+            name, new = store.compare_set("ppo_atari/run_name", "", name).decode(), False
         args = dataclasses.replace(args, run_name=name)
     if args.resume is None:  # every run writes its checkpoint first
         folder = os.path.join("runs", name)
         if not name or name.startswith(".") or "/" in name or os.sep in name:
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
-        if os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+        if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
         # agent.pt, checkpoint.pt.tmp: a new run killed while writing its first checkpoint
-        elif os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt", "agent.pt.tmp",
+        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt", "agent.pt.tmp",
                                                                   "checkpoint.pt.tmp"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
         check_args(args, world_size)
+        for n in range(2, sys.maxsize) if new else ():  # its own folder, made here: starts in
+            try:  # the same second get __2, __3, ...
+                os.makedirs(os.path.join("runs", args.run_name))
+                break
+            except FileExistsError:
+                args = dataclasses.replace(args, run_name=f"{name}__{n}")
         return args, None
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
@@ -1231,9 +1232,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def catch_stop_signals():
-    """First Ctrl-C or SIGTERM: appended to the list returned; a second Ctrl-C exits at once; one
-    ignored at start (`cmd &`) stays so. A thread reads each from the wakeup fd (Python runs one
-    handler for two that come while main waits in C). Returns (list, release)."""
+    """Returns (list, release): a thread appends each Ctrl-C/SIGTERM read from the wakeup fd; a
+    second Ctrl-C exits at once; one ignored at start (`cmd &`) stays so."""
     if threading.current_thread() is not threading.main_thread():
         print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
               "caller", flush=True)

@@ -91,17 +91,103 @@ def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeyp
     assert loaded["iteration"] == 1 and torch.equal(loaded["model"]["w"], torch.ones(2))
 
 
-def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
-    total = 4 * 64
-    (workdir / "a").mkdir()
-    monkeypatch.chdir(workdir / "a")
-    P.main(tiny_args(total_timesteps=total))
-    (full,) = run_dirs(workdir / "a")
+class Steps(gym.Wrapper):
+    """A fork's stateful wrapper: steps_state counts the env's steps and the actions' sum."""
 
-    # run b crashes in iteration 3, after the checkpoint of iteration 2: at its first env step
-    # (the envs are the one seam every fork of the estimator, the loss or the network keeps)
-    (workdir / "b").mkdir()
-    monkeypatch.chdir(workdir / "b")
+    def __init__(self, env):
+        super().__init__(env)
+        self.steps_state = np.zeros(2, dtype=np.int64)
+
+    def step(self, action):
+        self.steps_state = self.steps_state + [1, int(action)]
+        return self.env.step(action)
+
+
+def stateful_envs(args, seed, *a, **kw):
+    """The stand-in game that ends every 5 steps (games to count) under a stateful wrapper."""
+    thunk = lambda: Steps(gym.wrappers.RecordEpisodeStatistics(Truncating()))  # noqa: E731
+    return gym.vector.SyncVectorEnv([thunk] * args.num_envs,
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def same(x, y) -> bool:
+    """Bit for bit: tensors and arrays equal in dtype, shape and every value, nested alike."""
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(same, x, y))
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, np.ndarray):
+        return isinstance(y, np.ndarray) and x.dtype == y.dtype and np.array_equal(x, y)
+    return type(x) is type(y) and x == y
+
+
+def record_iterations(monkeypatch) -> list:
+    """What each iteration starts from, one dict per iteration: the torch RNG and the step count
+    (rollout), the wrapper state, the carry (make_batch), the weights and Adam (update), the
+    last 100 games before it (log_iteration). make_batch also keeps a fork's carry."""
+    need("main")
+    for name in ("rollout", "make_batch", "update", "log_iteration"):
+        need(what=f"the phase {name}, which train calls once an iteration",
+             problem=None if callable(getattr(P, name, None)) else "none here")
+    need(what="make_batch(agent, storage, next_obs, autocast, args, carry)", problem=None if
+         "carry" in inspect.signature(P.make_batch).parameters else "this copy's has no carry")
+    record, real = [], {name: getattr(P, name) for name in
+                        ("rollout", "make_batch", "update", "log_iteration")}
+
+    def rollout(*a, **kw):
+        b = bound(real["rollout"], a, kw)
+        record.append({"rng": torch.get_rng_state(), "global_step": b["global_step"],
+                       "wrappers": [env["state"] for env in P.env_layer_states(b["envs"])]})
+        return real["rollout"](*a, **kw)
+
+    def make_batch(*a, **kw):
+        b = bound(real["make_batch"], a, kw)
+        carry, rewards = b["carry"], b["storage"]["rewards"].sum()
+        record[-1]["carry"] = copy.deepcopy(carry)
+        carry |= {"batches": carry.get("batches", 0) + 1,  # a stateful fork's: int, tensor, numpy
+                  "rewards": carry.get("rewards", torch.zeros(())) + rewards,
+                  "sizes": np.append(carry.get("sizes", np.zeros(0, np.float32)), rewards.item())}
+        return real["make_batch"](*a, **kw)
+
+    def update(*a, **kw):
+        b = bound(real["update"], a, kw)
+        record[-1] |= {"weights": copy.deepcopy(b["agent"].state_dict()),
+                       "adam": copy.deepcopy(b["optimizer"].state_dict())}
+        return real["update"](*a, **kw)
+
+    def log_iteration(*a, **kw):
+        b = bound(real["log_iteration"], a, kw)
+        record[-1]["recent"] = list(b["recent"])[:len(b["recent"]) - len(b["games"])]
+        return real["log_iteration"](*a, **kw)
+
+    for name, patched in (("rollout", rollout), ("make_batch", make_batch), ("update", update),
+                          ("log_iteration", log_iteration)):
+        monkeypatch.setattr(P, name, patched)
+    monkeypatch.setattr(P, "make_envs", stateful_envs)
+    monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
+    return record
+
+
+def test_a_resume_continues_exactly_where_the_checkpoint_left_off(workdir, monkeypatch):
+    """README's promise: a resume continues the weights, Adam, the RNG, the counts, the last 100
+    games, wrapper state and carry. Run a trains 4 iterations; run b crashes in iteration 3
+    (after iteration 2's checkpoint) and is resumed: iteration 3 of the resumed run starts from
+    exactly the state iteration 3 of run a started from, bit for bit (only the games in progress
+    differ: a resume starts fresh ones). A copy of b's folder, resumed the same way, logs the
+    same scalars as b: a resume is itself deterministic. In the stand-in game ending every 5
+    steps (games finish), under a wrapper with *_state, with a carry kept by make_batch."""
+    record = record_iterations(monkeypatch)
+    total, args = 4 * 64, dict(env_id="Truncating", num_envs=2, num_steps=32,
+                               num_minibatches=2, update_epochs=2, cuda=False)
+    for folder in "abc":
+        (workdir / folder).mkdir()
+    monkeypatch.chdir(workdir / "a")
+    P.main(P.Args(**args, total_timesteps=total, run_name="r"))
+    full, record_a = str(workdir / "a" / "runs" / "r"), list(record)
+
+    monkeypatch.chdir(workdir / "b")  # b crashes at the first env step of iteration 3
     calls, real_step = [], gym.vector.SyncVectorEnv.step
 
     def crashing_step(self, *a, **kw):
@@ -113,13 +199,30 @@ def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
     with monkeypatch.context() as crash:
         crash.setattr(gym.vector.SyncVectorEnv, "step", crashing_step)
         with pytest.raises(RuntimeError, match="simulated crash"):
-            P.main(tiny_args(total_timesteps=total, checkpoint_interval=2))
-    (run,) = run_dirs(workdir / "b")
+            P.main(P.Args(**args, total_timesteps=total, checkpoint_interval=2, run_name="r"))
+    run = str(workdir / "b" / "runs" / "r")
     assert P.load_checkpoint(run)["iteration"] == 2
-    P.main(tiny_args(resume=run), explicit={"resume"})
+    shutil.copytree(run, workdir / "c" / "runs" / "r")
+    resumed = []
+    for folder in "bc":
+        monkeypatch.chdir(workdir / folder)
+        del record[:]
+        P.main(P.Args(**args, resume=os.path.join("runs", "r")), explicit={"resume"})
+        resumed.append(list(record))
     assert run_dirs(workdir / "b") == [run], "resume must continue in the same folder"
 
-    a, b = scalars(full, raw=True), scalars(run, raw=True)
+    assert len(record_a) == 4 and [len(r) for r in resumed] == [2, 2], (len(record_a), resumed)
+    then, now = record_a[2], resumed[0][0]  # iteration 3, uninterrupted and resumed
+    assert then["recent"] and then["carry"] and any(
+        then["wrappers"][0].values()), "nothing to restore: the test's run kept no state"
+    differ = [what for what in ("global_step", "weights", "adam", "rng", "recent", "wrappers",
+                                "carry") if not same(then[what], now[what])]
+    assert not differ, (f"iteration 3 after the resume does not start where the uninterrupted "
+                        f"run's did: {', '.join(differ)} differ")
+    assert same(resumed[0], resumed[1]), "the same resume, twice, did not start alike"
+
+    a, b, c = (scalars(r, raw=True) for r in (full, run, str(workdir / "c" / "runs" / "r")))
+    clocks = ("charts/SPS", "charts/rollout_time", "charts/update_time")
     assert P.load_checkpoint(run)["global_step"] == P.load_checkpoint(full)["global_step"] == total
     for tag in ("charts/learning_rate", "charts/clip_coef", "losses/value_loss"):
         steps = [s for s, _ in b[tag]]
@@ -127,6 +230,8 @@ def test_resumed_run_continues_the_uninterrupted_one(workdir, monkeypatch):
     assert a["charts/learning_rate"] == b["charts/learning_rate"]  # the schedule continued
     # iterations 1-2 are the same run; after the resume the envs start fresh games
     assert a["losses/value_loss"][:2] == b["losses/value_loss"][:2]
+    differ = [t for t in b.keys() | c.keys() if t not in clocks and b.get(t) != c.get(t)]
+    assert not differ, f"the same resume twice logged different {sorted(differ)}"
 
 
 def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(workdir):
@@ -148,12 +253,22 @@ def test_resume_refuses_a_change_of_network_or_game_but_takes_safe_overrides(wor
                          cwd=workdir)
     assert out.returncode == 0, out.stderr
     assert "at step 64 of 128 (1 iteration left); --total-timesteps changed from 64" in out.stdout
-    assert "from 64: schedules re-planned; learning rate 0.000125 now" in out.stdout
     assert P.load_checkpoint(run)["global_step"] == 128
     assert [s for s, _ in scalars(run, raw=True)["charts/SPS"]] == [64, 128]
+    # the copy's own schedule (whatever its shape), re-planned over 128 steps as README says:
+    # iteration 1 of a 1-iteration plan, then iteration 2 of a 2-iteration plan
+    need(what="schedule(iteration, num_iterations, args) -> (learning rate, clip)",
+         problem=takes(P.schedule, 1, 1, P.Args()) if hasattr(P, "schedule") else "none here")
+    args = P.Args(**{**P.load_checkpoint(run)["args"], "total_timesteps": 128})
+    planned = [P.schedule(1, 1, args)[0], P.schedule(2, 2, args)[0]]
+    if args.anneal_lr:
+        assert f"schedules re-planned; learning rate {planned[1]:.3g} now" in out.stdout, (
+            f"the resume's line names the learning rate of its re-planned schedule "
+            f"({planned[1]:.3g}): {out.stdout}")
     lr = scalars(run, raw=True)["charts/learning_rate"]
-    # re-planned over 128 steps, as README says (float32 events)
-    np.testing.assert_allclose([v for _, v in lr], [2.5e-4, 1.25e-4], rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in lr], planned, rtol=1e-6, err_msg=(
+        "the learning rates logged: iteration 1 by the first plan (64 steps), iteration 2 by "
+        "the plan over the new total (128 steps), each the copy's own schedule"))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(workdir, monkeypatch, capsys):

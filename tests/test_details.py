@@ -575,7 +575,8 @@ def test_explained_variance_is_one_minus_the_residual_variance_share(instrumente
 
 def test_target_kl_ends_the_update_after_the_epoch_that_crosses_it(workdir, monkeypatch):
     """--target-kl: after each epoch, the last minibatch's approx_kl against it; above it, the
-    update stops: with a target no KL stays under, each update is one epoch."""
+    update stops: with a target every KL is above (-1: approx_kl >= 0, exactly 0 while the
+    learning rate is 0, as in a warm-up's first steps), each update is one epoch."""
     need("main")
     calls, real = [], torch.optim.Adam.step
 
@@ -585,12 +586,12 @@ def test_target_kl_ends_the_update_after_the_epoch_that_crosses_it(workdir, monk
 
     monkeypatch.setattr(torch.optim.Adam, "step", counting)
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
-                  total_timesteps=2 * 64, target_kl=1e-12))
+                  total_timesteps=2 * 64, target_kl=-1.0, run_name="every"))
     assert len(calls) == 2 * 2, f"{len(calls)} optimizer steps: 2 iterations x 1 epoch x 2 " \
-        f"minibatches expected"
+        f"minibatches expected with --target-kl -1"
     calls.clear()
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=4, cuda=False,
-                  total_timesteps=2 * 64, target_kl=1e9))
+                  total_timesteps=2 * 64, target_kl=1e9, run_name="never"))
     assert len(calls) == 2 * 4 * 2, "a target no KL reaches must not stop any epoch"
 
 

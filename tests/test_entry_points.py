@@ -175,6 +175,30 @@ def test_resume_under_another_run_name_is_refused_and_damages_nothing(agent_file
     assert not os.path.exists(os.path.join(cwd, "runs", "other"))
 
 
+def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, monkeypatch):
+    """A sweep starts runs of one seed at once without --run-name (another learning rate
+    each): their dated names fall in the same second. The second gets a folder of its own
+    (NAME__2) instead of being taken for a continuation of the first, whose files it leaves
+    alone; its checkpoint records its own settings. A clock whose seconds never turn stands in
+    for the same second."""
+    need("main")
+    clock = iter(range(10 ** 6))  # 1 ms a call: the same second for 1000 calls
+    monkeypatch.setattr(P, "time", type("Clock", (), {
+        "time": staticmethod(lambda: 1_800_000_000 + next(clock) / 1000),
+        "sleep": staticmethod(time.sleep)}))
+    small = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                 total_timesteps=64)
+    P.main(P.Args(**small, learning_rate=1e-4))
+    (first,) = run_dirs(workdir)
+    before = {f: open(os.path.join(first, f), "rb").read() for f in os.listdir(first)
+              if f.endswith(".pt")}
+    P.main(P.Args(**small, learning_rate=3e-4))
+    runs = run_dirs(workdir)
+    assert runs == [first, first + "__2"], runs
+    assert before == {f: open(os.path.join(first, f), "rb").read() for f in before}
+    assert [P.load_checkpoint(r)["args"]["learning_rate"] for r in runs] == [1e-4, 3e-4]
+
+
 RESTARTING = """
 import os, sys
 sys.path.insert(0, os.environ["SCRIPT_DIR"])

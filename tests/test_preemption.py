@@ -212,9 +212,10 @@ def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker
 # renamed; "call:NAME:N": the moment the N-th call of the file's NAME has returned. SIGNAL names
 # the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
 # Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped;
-# THEN_RAISE=1 makes that call raise a RuntimeError once the signal is sent.
+# THEN_RAISE=1 makes that call raise a RuntimeError once the file has recorded the signal (in
+# the list catch_stop_signals returned: its thread reads the wakeup fd), or after 10 s without.
 KILLER = """
-import importlib.util, os, signal, sys
+import importlib.util, os, signal, sys, time
 import gymnasium as gym
 import tyro
 spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
@@ -222,7 +223,14 @@ P = importlib.util.module_from_spec(spec)
 sys.modules["ppo_atari"] = P
 spec.loader.exec_module(P)
 where, name, nth = os.environ["KILL_AT"].split(":")
-sig, seen = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), []
+sig, seen, stops = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), [], []
+if hasattr(P, "catch_stop_signals"):  # keep the list a signal is recorded in
+    real_catch = P.catch_stop_signals
+    def catch(*a, **kw):
+        stop, release = real_catch(*a, **kw)
+        stops.append(stop)
+        return stop, release
+    P.catch_stop_signals = catch
 
 class Finalizer:
     def __del__(self):
@@ -256,7 +264,12 @@ else:
         out = real(*a, **kw)
         hit()
         if os.environ.get("THEN_RAISE") and len(seen) == int(nth):
-            raise RuntimeError("a bug after the signal")
+            deadline = time.time() + 10
+            while not (stops and stops[0]) and time.time() < deadline:
+                time.sleep(0.01)
+            if not (stops and stops[0]):
+                raise RuntimeError("the signal was never recorded")
+            raise RuntimeError("a bug after the signal was recorded")
         return out
     setattr(P, name, call)
 if __name__ == "__main__":  # async env workers import this file as their main module
@@ -363,9 +376,14 @@ def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
     need("main")  # the harness wraps rollout whatever its arguments (a recurrent fork adds some)
     need(what="a function rollout that train calls once per iteration",
          problem=None if callable(getattr(P, "rollout", None)) else "this copy has none")
+    need(what="catch_stop_signals() -> (the list a signal is recorded in, release)",
+         problem=None if callable(getattr(P, "catch_stop_signals", None)) else "none here")
     out = killed_at(tmp_path, "call:rollout:2", SIGNAL="SIGTERM", THEN_RAISE="1")
-    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
-    assert "Traceback" in out.stderr and "RuntimeError: a bug after the signal" in out.stderr
+    assert "RuntimeError: the signal was never recorded" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 1, (f"exit {out.returncode}: a bug raised after the signal was "
+                                 f"recorded must exit 1 with its traceback", out.stderr[-2000:])
+    assert "Traceback" in out.stderr and "RuntimeError: a bug after the signal was recorded" in \
+        out.stderr, out.stderr[-2000:]
 
 
 def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(instants):

@@ -221,6 +221,75 @@ def test_noop_count_is_drawn_from_1_to_30_inclusive_by_the_envs_rng():
                                               f"this copy's emulator got {probe.log[1:]}")
 
 
+def probed_training_env(draw):
+    """The copy's own training env (make_env's thunk, whatever it passes its wrappers), its
+    emulator probed: the log of the actions it gets ("reset" for a reset), `frames` returned
+    instead of the emulator's while any are left, and `draw` as the env's RNG after a reset."""
+    need("env thunk")
+    env = P.make_env("BreakoutNoFrameskip-v4", seed=0)()
+    atari, log, frames = env.unwrapped, [], []
+    real_step, real_reset = atari.step, atari.reset
+
+    def step(action):
+        log.append(int(action))
+        out = real_step(action)
+        return (frames.pop(0), *out[1:]) if frames else out
+
+    def reset(**kwargs):
+        log.append("reset")
+        out = real_reset(**kwargs)
+        atari._np_random = draw  # seeded by the reset: what the no-op count is drawn from
+        return out
+
+    atari.step, atari.reset = step, reset
+    return env, log, frames
+
+
+def test_the_wrappers_parameters_of_record_in_the_copys_own_training_env():
+    """What make_env passes its wrappers, read from the env it builds for training (the other
+    wrapper tests build each class with its defaults): after a reset, a no-op count drawn from
+    1..30 and taken, then FIRE and action 2 (one agent step each); an agent step of 4 emulator
+    frames observing the max of the last 2; a lost life terminal. A fork passing another value
+    is named with the value of record and the copy's."""
+    draw = FixedDraw(30)
+    env, log, frames = probed_training_env(draw)
+    depth = stack_depth()
+    env.reset(seed=0)
+    noops = next((i for i, a in enumerate(log[1:]) if a != 0), len(log) - 1)
+    ranges = [f"{r.start}..{r.stop - 1}" for r in draw.calls]
+    after = log[1 + noops:]
+    fire = [a for i, a in enumerate(after) if i == 0 or a != after[i - 1]]
+    log.clear()
+    shades = [90, 10, 60, 20, 30, 40, 50, 70]  # uniform frames: the max of 2 shows which 2
+    frames += [np.full((210, 160, 3), v, np.uint8) for v in shades]
+    obs, *_ = env.step(3)
+    skip, newest = len(log), split_frames(obs, depth)[-1]
+    frames.clear()
+    seen = [int(v) for v in np.unique(newest)]
+    atari, rng = env.unwrapped, np.random.default_rng(0)
+    lives, terminated = atari.ale.lives(), False
+    for _ in range(5000):
+        _, _, terminated, truncated, _ = env.step(int(rng.integers(0, 4)))
+        if atari.ale.lives() < lives or terminated or truncated:
+            break
+    lost = atari.ale.lives() < lives
+    env.close()
+    expect((ranges == ["1..30"], f"no-op maximum: of record 30 (a count drawn from 1..30 after "
+            f"each reset); this copy's draws {ranges or 'none from the env RNG'}"),
+           (noops == 30, f"the drawn no-op count is taken: 30 no-ops for a draw of 30; this "
+            f"copy's emulator got {noops}"),
+           (fire == [1, 2] and len(after) == 2 * skip, f"after a reset: FIRE, then action 2, one "
+            f"agent step each (of record); this copy's emulator got {after[:16]}"),
+           (skip == 4, f"frame skip: of record 4 emulator frames per agent step; this copy's "
+            f"{skip}"),
+           (seen == [max(shades[:skip][-2:])], f"the observation: the pixel-wise max of the last "
+            f"2 frames of the step (of record: {max(shades[:skip][-2:])} from frames "
+            f"{shades[:skip]}); this copy's newest frame holds {seen}"),
+           (lost and terminated, f"a lost life is terminal (of record); this copy's step that "
+            f"lost a life returned terminated={terminated}" if lost else "no life was lost in "
+            "5000 random steps"))
+
+
 def test_rewards_are_clipped_while_statistics_keep_the_raw_score():
     need("env thunk")
     env = P.make_env("SpaceInvadersNoFrameskip-v4", seed=0)()
