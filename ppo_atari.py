@@ -591,7 +591,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
     num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, 0.0
     for iteration in range(iteration + 1, num_iterations + 1):
-        lr_now, clip_value = schedule(iteration, num_iterations, args)
+        lr_now, clip_value = map(float, schedule(iteration, num_iterations, args))  # not numpy
         optimizer.param_groups[0]["lr"] = lr_now
         clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
 
@@ -1200,8 +1200,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
         if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
         # agent.pt, checkpoint.pt.tmp: a new run killed while writing its first checkpoint
-        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt", "agent.pt.tmp",
-                                                                  "checkpoint.pt.tmp"}:
+        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {
+                "agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:

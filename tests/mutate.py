@@ -30,7 +30,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fast, focused files first: pytest -x stops at the first failure
-NOT_DETAILS = ["test_readme.py", "test_plot_curves.py", "test_measuring.py"]  # figures, tooling
+NOT_DETAILS = ["test_readme.py", "test_plot_curves.py", "test_measuring.py",  # figures, tooling
+               "test_compare_runs.py"]
 ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_devices.py",
          "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
          "test_preemption.py", "test_distributed.py"]
@@ -40,6 +41,7 @@ DEFAULTS = "test_details.py::test_args_defaults_are_the_published_hyperparameter
 RESUME = "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"
 GAMES = "test_checkpoint.py::test_a_resume_keeps_the_last_100_games"
 STATISTICS = "test_checkpoint.py::test_env_wrapper_statistics_survive_a_resume"
+WRAPPERS = "test_wrappers.py::test_the_wrappers_parameters_of_record_in_the_copys_own_training_env"
 MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run first])
     # the loss
     ("entropy bonus sign", "loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss",
@@ -358,8 +360,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_entry_points.py::test_a_stop_during_evaluation_prints_the_games_played_and_exits_"
      "quietly"),
     ("a torchrun restart continues its job's run",
-     '            name = store.compare_set("ppo_atari/run_name", "", name).decode()',
-     "            pass",
+     '            name, new = store.compare_set("ppo_atari/run_name", "", name).decode(), False',
+     "            new = True",
      "test_entry_points.py::test_a_torchrun_restart_without_a_run_name_continues_its_run"),
     ("--resume under another --run-name refused",
      '    if "run_name" in explicit and name != (folder :=',
@@ -385,6 +387,33 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",
      "        env = NoopReset(env, noop_max=30)\n"),
+    # the wrappers' parameters as make_env passes them (read from the copy's training env)
+    *[(f"make_env: {detail}", fragment, broken, WRAPPERS) for detail, fragment, broken in [
+        ("no-op maximum 30", "env = NoopReset(env, noop_max=30)",
+         "env = NoopReset(env, noop_max=20)"),
+        ("frame skip 4", "env = MaxAndSkip(env, skip=4)", "env = MaxAndSkip(env, skip=3)"),
+        ("FIRE after a reset", 'if "FIRE" in env.unwrapped.get_action_meanings():', "if False:"),
+        ("a lost life is terminal", "        env = EpisodicLife(env)\n", "")]],
+    ("make_env: frames of 84 x 84", "        env = GrayResize(env)\n",
+     "        env = GrayResize(env, size=64)\n",
+     "test_wrappers.py::test_the_published_observation_is_4_frames_of_84x84"),
+    ("make_env: a stack of 4", "gym.wrappers.FrameStackObservation(env, 4)",
+     "gym.wrappers.FrameStackObservation(env, 3)",
+     "test_wrappers.py::test_the_published_observation_is_4_frames_of_84x84"),
+    ("make_env: rewards clipped", "        env = ClipReward(env)\n", "",
+     "test_wrappers.py::test_rewards_are_clipped_while_statistics_keep_the_raw_score"),
+    ("a schedule's numpy floats are saved as floats",
+     "map(float, schedule(iteration, num_iterations, args))",
+     "schedule(iteration, num_iterations, args)",
+     "test_checkpoint.py::test_a_resume_reports_the_learning_rate_the_forks_schedule_gives"),
+    ("runs started in the same second get folders of their own",
+     "            except FileExistsError:\n", "            except OSError:\n                break\n"
+     "            except FileExistsError:\n",
+     "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
+    ("a dated name is never taken for a run to continue",
+     '        if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):',
+     '        if os.path.isfile(os.path.join(folder, "checkpoint.pt")):',
+     "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
 ]
 
 

@@ -856,12 +856,13 @@ def test_carry_refuses_what_a_checkpoint_cannot_hold_in_one_line(workdir, monkey
 
 def test_a_resume_reports_the_learning_rate_the_forks_schedule_gives(workdir, capsys):
     """The learning rate a resume says it goes on with is the one its next iteration logs, also
-    for a fork with its own schedule (here a warm-up: half the rate for the first 3 iterations),
-    since both read the core's schedule()."""
+    for a fork with its own schedule (here a warm-up: half the rate for the first 3 iterations,
+    a numpy float), since both read the core's schedule(); its checkpoints load."""
     need("main")
     line = "    frac = 1.0 - (iteration - 1.0) / num_iterations\n"
     need_text(line, "schedule()'s line `frac = 1.0 - (iteration - 1.0) / num_iterations`")
-    source = open(SCRIPT).read().replace(line, line + "    frac *= 0.5 if iteration <= 3 else 1\n")
+    source = open(SCRIPT).read().replace(  # numpy's floats, as np.cos gives, are saved as floats
+        line, line + "    frac *= np.float64(0.5) if iteration <= 3 else 1\n")
     (workdir / "warm.py").write_text(source)
     spec = importlib.util.spec_from_file_location("warm", workdir / "warm.py")
     M = importlib.util.module_from_spec(spec)
