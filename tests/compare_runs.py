@@ -223,7 +223,7 @@ def compare(groups: dict, at=None) -> dict:
 
 
 def fmt(x: float) -> str:
-    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
 
 
 def with_ci(value, ci) -> str:
@@ -318,23 +318,26 @@ def plot(groups: dict, result: dict, at, out: str):
             curves.setdefault(run["game"], []).append(value)
         per_game = [np.array(c).T for c in curves.values()]  # (steps, runs) each
         line = iqm(np.concatenate(per_game, axis=-1))
-        left.plot(grid, line, label=name)
+        (drawn,) = left.plot(grid, line, label=name)
         if not result["groups"][name]["single"]:
             draws = iqm(np.concatenate([g[:, rng.integers(0, g.shape[1], (500, g.shape[1]))]
                                         for g in per_game], axis=-1))  # (steps, 500)
-            left.fill_between(grid, *np.percentile(draws, [2.5, 97.5], axis=1), alpha=0.25)
+            left.fill_between(grid, *np.percentile(draws, [2.5, 97.5], axis=1), alpha=0.25,
+                              color=drawn.get_color())
     unit = "human-normalized score" if normalize else "score"
     left.set(xlabel="agent steps", ylabel=f"IQM of the {unit}", title=f"IQM over steps "
              f"({start:,.0f} to {end:,.0f}), 95% bootstrap band")
     left.legend()
     scores = {n: g[result["scales"][0] + " scores"] for n, g in result["groups"].items()}
     allscores = np.concatenate([s for per_game in scores.values() for s in per_game])
-    taus = np.linspace(allscores.min(), allscores.max(), 100)
+    margin = 0.05 * (allscores.max() - allscores.min() or 1.0)
+    taus = np.linspace(allscores.min() - margin, allscores.max() + margin, 200)
     for name, per_game in scores.items():
-        right.plot(taus, profile(per_game, taus), label=name)
+        (drawn,) = right.plot(taus, profile(per_game, taus), label=name)
         if not result["groups"][name]["single"]:
             band = profile(resample(per_game, rng, 500), taus)
-            right.fill_between(taus, *np.percentile(band, [2.5, 97.5], axis=0), alpha=0.25)
+            right.fill_between(taus, *np.percentile(band, [2.5, 97.5], axis=0), alpha=0.25,
+                               color=drawn.get_color())
     right.set(xlabel=f"{unit} tau", ylabel="share of runs scoring above tau",
               title="performance profile" + (f" at step {at:,}" if at else " (each run's last "
                                                                           "step)"))

@@ -5,7 +5,7 @@ collected by pytest).
     pip install matplotlib        # the figures only; the trainer does not need it
     python tests/plot_curves.py --csv tests/figures/breakout-10M-seed*.csv \\
         --out tests/figures/breakout-10m.png --until 10000000
-    python tests/plot_curves.py --runs ../learn/runs --out tests/figures/pong-breakout-2m.png
+    python tests/plot_curves.py --runs ../learn/runs --out curves.png    # from run folders
     python tests/plot_curves.py --scores runs/breakout-10M-seed1/eval --export tests/figures
 
 A curve is charts/avg_episodic_return (the mean of the last 100 finished games) against the
@@ -61,6 +61,8 @@ PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
                  "CleanRL ppo_atari.py, 3 seeds": {10_000_000: 414.66},
                  "baselines ppo2, 3 seeds": {10_000_000: 406.57}},
 }
+SPREAD = {"CleanRL ppo_atari.py, 3 seeds": {"Pong": 0.20, "Breakout": 28.09},  # the std over
+          "baselines ppo2, 3 seeds": {"Pong": 0.50, "Breakout": 31.55}}  # 3 seeds, as published
 RANDOM = {"Pong": -20.7, "Breakout": 1.7}  # Mnih et al. 2015
 COLUMNS = ["step", "avg_return_last100", "games", "training_seconds"]
 SCORE_COLUMNS = ["evaluation", "game", "score"]
@@ -229,25 +231,39 @@ def plot(curves: dict, out: str, until: int):
     import matplotlib.pyplot as plt
 
     games = [g for g in PUBLISHED if any(game_of(n) == g for n in curves)]
-    fig, axes = plt.subplots(1, len(games), figsize=(5.5 * len(games), 4), dpi=110,
+    fig, axes = plt.subplots(1, len(games), figsize=(7 * len(games), 4.8), dpi=110,
                              squeeze=False)
     for ax, game in zip(axes[0], games):
-        for name, rows in curves.items():
-            if game_of(name) == game:
-                ax.plot(rows[:, 0], rows[:, 1], label=f"ppo_atari.py, {name}")
-        markers = iter(("o", "s", "^", "v"))
-        for source, points in PUBLISHED[game].items():
-            shown = {s: v for s, v in points.items() if s <= until}
-            if shown:
-                ax.scatter(list(shown), list(shown.values()), marker=next(markers), s=40,
-                           zorder=3, label=source)
-        ax.axhline(RANDOM[game], color="gray", linestyle=":", label=f"random ({RANDOM[game]})")
-        ax.set_title(f"{game}NoFrameskip-v4, runs planned for 10M steps", fontsize=10)
+        mine = {n: rows[rows[:, 0] <= until] for n, rows in curves.items() if game_of(n) == game}
+        short = max((rows[-1, 0] for rows in mine.values()), default=until) > 4 * min(
+            (rows[-1, 0] for rows in mine.values()), default=until)
+        # an inset shows the first stretch, where the shorter runs would hide under the longer
+        panels = [ax] + ([ax.inset_axes([0.06, 0.52, 0.36, 0.36], zorder=20)] if short else [])
+        shortest = min(rows[-1, 0] for rows in mine.values())
+        for panel, end in zip(panels, [until, shortest]):
+            for i, (name, rows) in enumerate(mine.items()):
+                rows = rows[rows[:, 0] <= end]
+                panel.plot(rows[:, 0], rows[:, 1], lw=1.4, ls=("-", "--", "-.", ":")[i % 4],
+                           zorder=2 + i, label=f"ppo_atari.py, {name}")
+            markers = iter(("o", "s", "^", "v"))
+            for source, points in PUBLISHED[game].items():
+                shown = {s: v for s, v in points.items() if s <= end}
+                spread = [SPREAD.get(source, {}).get(game, 0.0)] * len(shown)
+                if shown:
+                    panel.errorbar(list(shown), list(shown.values()), yerr=spread,
+                                   fmt=next(markers), ms=5, capsize=3, zorder=9, label=source)
+            panel.axhline(RANDOM[game], color="gray", linestyle=":",
+                          label=f"random ({RANDOM[game]})")
+            panel.set_xlim(0, end * 1.03)
+            panel.grid(alpha=0.3)
+        if short:
+            panels[1].set_title(f"0 to {shortest / 1e6:.1f}M steps", fontsize=8)
+            panels[1].tick_params(labelsize=7)
+        ax.set_title(f"{game}NoFrameskip-v4, 0 to {until / 1e6:g}M agent steps (runs planned "
+                     f"for 10M)\npublished 3-seed means with their std", fontsize=9)
         ax.set_xlabel("agent steps")
         ax.set_ylabel("average return of the last 100 games")
-        ax.set_xlim(0, until * 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="lower right")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fig.tight_layout()
     fig.savefig(out)

@@ -161,13 +161,20 @@ def test_the_tool_on_the_committed_breakout_seeds():
 
 
 def test_plot_draws_the_iqm_over_steps_and_the_performance_profile(tmp_path):
-    out = tool(f"s1={SEEDS[0]}", f"s23={SEEDS[1]},{SEEDS[2]}", "--at", "2000000", "--plot",
-               str(tmp_path / "c.png"))
-    if importlib.util.find_spec("matplotlib") is None:
-        assert out.returncode == 2 and out.stderr.strip() == (
-            "compare_runs.py: --plot needs matplotlib, which is not installed: pip install "
-            "matplotlib"), out.stderr
-    else:
+    """--plot writes the figure where matplotlib is installed; without it (hidden here by a
+    module that fails to import), the report, then one line saying what --plot needs, exit 2."""
+    args = [f"s1={SEEDS[0]}", f"s23={SEEDS[1]},{SEEDS[2]}", "--at", "2000000", "--plot"]
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "matplotlib.py").write_text("raise ImportError('hidden')\n")
+    out = subprocess.run([sys.executable, os.path.join(TESTS, "compare_runs.py"), *args,
+                          str(tmp_path / "none.png")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(tmp_path / "hidden")))
+    assert out.returncode == 2 and "| s23 | 2 | 1 |" in out.stdout, out
+    assert out.stderr.strip() == ("compare_runs.py: --plot needs matplotlib, which is not "
+                                  "installed: pip install matplotlib"), out.stderr
+    assert not (tmp_path / "none.png").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        out = tool(*args, str(tmp_path / "c.png"))
         assert out.returncode == 0 and (tmp_path / "c.png").stat().st_size > 10_000, out.stderr
 
 

@@ -1,5 +1,7 @@
-"""README's commands that run in seconds, run as written: the forking lines and the curve
-table's command on the committed CSV files (its figure only where matplotlib is installed)."""
+"""README's commands that run in seconds, run as written: the forking lines, and the commands
+under "What to expect" on the committed files in tests/figures/ (figures only where matplotlib
+is installed), whose printed figures must be README's."""
+import glob
 import importlib.util
 import os
 import re
@@ -46,11 +48,11 @@ def test_the_forking_lines_run_as_written(tmp_path):
     assert "--env-id" in out.stdout and (tmp_path / "my-experiment" / "ppo_atari.py").exists()
 
 
-def printed_by_readme(tmp_path) -> list[str]:
-    """What README's plot_curves.py commands print, run as written on the committed files (each
+def printed_by_readme(tmp_path, tool="plot_curves.py") -> list[str]:
+    """What README's commands of the tool print, run as written on the committed files (each
     figure drawn into the test's folder, never the checkout; without matplotlib, no figure)."""
     printed = []
-    for line in commands("python tests/plot_curves.py"):
+    for line in [c for c in commands(f"python tests/{tool}") if "tests/figures/" in c]:
         args = shlex.split(line)[1:]
         if "--out" in args and importlib.util.find_spec("matplotlib") is None:
             args = args[:args.index("--out")] + args[args.index("--out") + 2:]
@@ -70,14 +72,19 @@ def rows(text: str, key: int = 0) -> dict[str, list[str]]:
     return {r[key]: r[key + 1:] for r in split}
 
 
+def what_to_expect() -> str:
+    text = readme()
+    return text[text.index("## What to expect"):text.index("Seed 1's 10M figure")]
+
+
 def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
     """Every figure of ours in README's Breakout table (each seed at 0.5M, 1M, 2M and 10M, their
-    mean, the 10M agent's scored games) is what README's commands print from tests/figures/."""
+    mean ± std, the 10M agent's scored games) is what README's commands print from
+    tests/figures/."""
     printed = printed_by_readme(tmp_path)
     (curves,) = [p for p in printed if "| 10M |" in p]  # the table with every budget
     (scores,) = [p for p in printed if "| evaluation |" in p]
-    text = readme()
-    shown = rows(text[text.index("## What to expect"):text.index("Pong (NoFrameskip-v4)")])
+    shown = rows(what_to_expect())
     runs = rows(curves, key=1)  # {run: [last step, value at 0.25M, ...]}, "run": the header
     by_run = {run: dict(zip(runs["run"], cells)) for run, cells in runs.items()}
     budgets = ["0.5M", "1M", "2M", "10M"]
@@ -96,11 +103,45 @@ def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
     assert shown["ours, mean ± std of 3 seeds"][:3] == [mean[b] for b in budgets[:3]]
     label = {"step": "ours, seed 1's agent at 10M scored in 30 full games",  # trained id
              "ALE": "the same agent, 30 games on ALE/Breakout-v5 (sticky actions 0.25)"}
-    scored = {e: r for e, r in rows(scores).items() if e.startswith(("step9999360", "ALE-"))}
-    assert sorted(e[:3] for e in scored) == ["ALE", "ste"], scores
-    table = text[text.index("## What to expect"):text.index("Pong (NoFrameskip-v4)")]
+    scored = rows(scores)
+    scored.pop("evaluation"), scored.pop("---")
+    assert sorted(e[:3] for e in scored) == ["ALE", "ste"], scores  # one file, two evaluations
+    ours = [label for label in shown if label.startswith(("ours", "the same agent"))]
+    assert sorted(ours) == sorted([*label.values(), "ours, seed 1 (one seed)", "ours, seed 2",
+                                   "ours, seed 3", "ours, mean ± std of 3 seeds",
+                                   "ours, IQM [95% bootstrap CI] of 3 seeds"]), ours
     for evaluation, (games, score) in scored.items():
         name = label[evaluation[:3].replace("ste", "step")]
-        at_10m = [r.split("|")[5].strip() for r in table.splitlines()
-                  if r.startswith(f"| {name} |")]
-        assert games == "30" and score in at_10m, (name, games, score, at_10m)
+        assert games == "30" and shown[name][3] == score, (name, games, score, shown[name])
+
+
+def test_the_iqm_row_is_what_compare_runs_prints_from_the_committed_seeds(tmp_path):
+    """README's IQM row: at each budget, `compare_runs.py` on the three seeds' CSV files (its
+    raw-score IQM and interval), and the same command's mean ± std is the mean row's."""
+    shown = rows(what_to_expect())
+    printed = printed_by_readme(tmp_path, "compare_runs.py")
+    assert len(printed) == 3, "one compare_runs.py command per budget: 0.5M, 1M, 2M"
+    for out, iqm, mean in zip(printed, shown["ours, IQM [95% bootstrap CI] of 3 seeds"],
+                              shown["ours, mean ± std of 3 seeds"]):
+        (table_row,) = [r for r in out.splitlines() if r.startswith("| ours |")]
+        assert table_row.split(" | ")[5].rstrip(" |") == iqm, (table_row, iqm)
+        (spread,) = [r for r in out.splitlines() if r.startswith("  Breakout: mean ")]
+        m, sd = (float(x) for x in mean.split(" ± "))
+        assert spread.startswith(f"  Breakout: mean {m:.1f} ± ") and abs(float(
+            spread.split(" ± ")[1].split()[0]) - sd) <= 0.05, (spread, mean)
+
+
+def test_each_figure_is_drawn_by_the_command_under_it_from_files_in_tests_figures():
+    """Each PNG README shows is the --out of one of its commands, and tests/figures/ holds the
+    files README uses, no others."""
+    text = readme()
+    images = re.findall(r"\]\((tests/figures/[^)]+\.png)\)", text)
+    outs = [shlex.split(c)[shlex.split(c).index("--out") + 1] for c in
+            commands("python tests/plot_curves.py") if "--out" in c]
+    assert images and sorted(images) == sorted(outs), (images, outs)
+    used = set(images) | {p for c in commands("python tests/") for a in shlex.split(c)
+                          for p in glob.glob(os.path.join(ROOT, a)) if "tests/figures/" in a}
+    used = {os.path.relpath(os.path.join(ROOT, p), ROOT) for p in used}
+    held = {f"tests/figures/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "figures"))}
+    assert held == used, f"in tests/figures but unused: {sorted(held - used)}; used but " \
+        f"missing: {sorted(used - held)}"
