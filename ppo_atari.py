@@ -12,6 +12,7 @@ leaves alone. Tested with Python 3.11-3.13, torch 2.13 and 2.11, gymnasium 1.4, 
 """
 import atexit
 import collections
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -1149,9 +1150,7 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str
 
 
 def close(envs, writer):
-    for opened in (envs, writer):
-        if opened is not None:
-            opened.close()
+    [opened.close() for opened in (envs, writer) if opened is not None]
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # a group a reference cycle frees at interpreter exit aborts gloo (exit -6)
@@ -1199,19 +1198,14 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
         if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
-        # agent.pt, checkpoint.pt.tmp: a new run killed while writing its first checkpoint
-        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {
-                "agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:
+        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {  # (a first
+                "agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
         check_args(args, world_size)
-        for n in range(2, sys.maxsize) if new else ():  # its own folder, made here: starts in
-            try:  # the same second get __2, __3, ...
-                os.makedirs(os.path.join("runs", args.run_name))
-                break
-            except FileExistsError:
-                args = dataclasses.replace(args, run_name=f"{name}__{n}")
+        if new:  # a dated name: a folder of its own, made here
+            args = dataclasses.replace(args, run_name=own_folder("runs", name))
         return args, None
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
@@ -1264,6 +1258,13 @@ def catch_stop_signals():
     return stop, release
 
 
+def own_folder(parent: str, name: str) -> str:
+    """Makes parent/name, or name__2, name__3, ... if taken (a start in the same second)."""
+    for folder in [name] + [f"{name}__{n}" for n in range(2, 10_000)]:
+        with contextlib.suppress(FileExistsError):
+            return os.makedirs(os.path.join(parent, folder)) or folder
+
+
 def shown_path(path: str) -> str:
     """A path as printed: relative to the working directory when inside it, else absolute."""
     rel = os.path.relpath(path)
@@ -1280,9 +1281,8 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
     if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
         fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
              f"the same game")
-    # each evaluation is a TensorBoard run of its own and a video folder of its own
-    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
-    name = f"{other}step{step}-seed{args.seed}-{int(time.time())}"
+    other = "" if env_id == trained else env_id.replace("/", "-") + "-"  # its own folders:
+    name = own_folder(f"{run_dir}/eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
     events = os.path.join(run_dir, "eval", name)
     video = os.path.join(run_dir, "eval-videos", name) if args.capture_video else None
     eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")

@@ -205,8 +205,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "flat = torch.cat([g.reshape(-1) for g in grads])",
      "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
     ("a partial first checkpoint starts again",
-     'set(os.listdir(folder)) - {"agent.pt", "agent.pt.tmp",', "set(os.listdir(folder)) - {",
-     INSTANT),
+     '"agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)',
+     '"agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)', INSTANT),
     ("agent.pt before checkpoint.pt",  # swapped: agent.pt after the checkpoint
      '    write_atomically(os.path.join(run_dir, "agent.pt"), state)\n'
      '    write_atomically(os.path.join(run_dir, "checkpoint.pt"), state | {',
@@ -407,8 +407,11 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "schedule(iteration, num_iterations, args)",
      "test_checkpoint.py::test_a_resume_reports_the_learning_rate_the_forks_schedule_gives"),
     ("runs started in the same second get folders of their own",
-     "            except FileExistsError:\n", "            except OSError:\n                break\n"
-     "            except FileExistsError:\n",
+     "            return os.makedirs(os.path.join(parent, folder)) or folder",
+     "            return os.makedirs(os.path.join(parent, folder), exist_ok=True) or folder",
+     "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
+    ("evaluations in the same second log apart", 'name = own_folder(f"{run_dir}/eval", ',
+     'name = (lambda parent, name: name)(f"{run_dir}/eval", ',
      "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
     ("a dated name is never taken for a run to continue",
      '        if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):',
@@ -466,8 +469,8 @@ def run_one(source, fragment, replacement, files, timeout, first=None, deselect=
                                                                               "ERROR "))]
             if failed:
                 verdict += " by " + failed[0].split()[1].split(" ")[0]
-        except subprocess.TimeoutExpired:
-            verdict = "CAUGHT (suite timed out)"
+        except subprocess.TimeoutExpired:  # no test failed: not a catch
+            verdict = f"TIMEOUT (no test failed within {timeout} s)"
         return verdict, time.time() - start
 
 

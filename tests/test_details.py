@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import ppo_atari as P
-from conftest import (expect, gae_calls, loss_calls, need, obs_shape, optimizer_steps,
+from conftest import (bound, expect, gae_calls, loss_calls, need, obs_shape, optimizer_steps,
                       seam_problem, truncating_envs)
 
 pytestmark = pytest.mark.details  # the published details: `pytest tests -m details`
@@ -390,18 +390,35 @@ def test_epochs_and_shuffled_minibatches(instrumented):
             "every epoch (published); this copy's epochs repeat one order"))
 
 
-def test_learning_rate_and_clip_range_annealed_linearly(instrumented):
-    """lr 2.5e-4 and (--anneal-clip) clip_coef 0.1 fall linearly to 0 over the run: full in
-    iteration 1 of 2, half in iteration 2, at every optimizer step of the iteration."""
-    calls = optimizer_steps(instrumented)
-    clips, lrs = sorted({round(c["clip_coef"], 6) for c in calls}), sorted({c["lr"] for c in calls})
-    half = len(calls) // 2
-    expect(([round(c["clip_coef"], 6) for c in calls] == [0.1] * half + [0.05] * half,
-            f"--anneal-clip: clip 0.1 in iteration 1 of 2, 0.05 in iteration 2 (linear to 0); "
-            f"this copy's values {clips}"),
-           ([c["lr"] for c in calls] == [2.5e-4] * half + [1.25e-4] * half, f"learning rate "
-            f"annealed linearly: 2.5e-4 in iteration 1 of 2, 1.25e-4 in iteration 2; this "
-            f"copy's values {lrs}"))
+def test_learning_rate_and_clip_range_annealed_linearly(workdir, monkeypatch):
+    """lr 2.5e-4 and (--anneal-clip) clip_coef 0.1 fall linearly to 0 over the run: 1, 3/4, 1/2
+    and 1/4 of them in iterations 1-4 of 4, at every optimizer step (4 iterations: a cosine
+    decay meets the line at iterations 1 and 2 of 2), in the stand-in game."""
+    need("main")
+    seen, real_step = [], torch.optim.Adam.step
+
+    def step(self, *a, **kw):  # the rate each optimizer step uses
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **kw)
+
+    clips, real_loss = [], P.minibatch_loss
+
+    def loss(*a, **kw):  # the clip range each loss call gets
+        clips.append(round(float(bound(real_loss, a, kw)["clip_coef"]), 6))
+        return real_loss(*a, **kw)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    monkeypatch.setattr(P, "minibatch_loss", loss)
+    monkeypatch.setattr(P, "make_envs", truncating_envs)
+    monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
+    P.main(P.Args(env_id="Truncating", num_envs=2, num_steps=8, num_minibatches=1,
+                  update_epochs=1, total_timesteps=4 * 16, anneal_clip=True, cuda=False,
+                  run_name="schedules"))
+    lrs = [round(lr, 12) for lr in seen]
+    expect((lrs == [2.5e-4, 1.875e-4, 1.25e-4, 6.25e-5], f"learning rate annealed linearly: "
+            f"2.5e-4, 1.875e-4, 1.25e-4, 6.25e-5 in iterations 1-4 of 4; this copy's {lrs}"),
+           (clips == [0.1, 0.075, 0.05, 0.025], f"--anneal-clip: clip 0.1, 0.075, 0.05, 0.025 in "
+            f"iterations 1-4 of 4 (linear to 0); this copy's {clips}"))
 
 
 def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):

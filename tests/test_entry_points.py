@@ -179,8 +179,8 @@ def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, m
     """A sweep starts runs of one seed at once without --run-name (another learning rate
     each): their dated names fall in the same second. The second gets a folder of its own
     (NAME__2) instead of being taken for a continuation of the first, whose files it leaves
-    alone; its checkpoint records its own settings. A clock whose seconds never turn stands in
-    for the same second."""
+    alone; its checkpoint records its own settings. Two evaluations of one agent in the same
+    second log apart. A clock whose seconds never turn stands in for the same second."""
     need("main")
     clock = iter(range(10 ** 6))  # 1 ms a call: the same second for 1000 calls
     monkeypatch.setattr(P, "time", type("Clock", (), {
@@ -197,6 +197,11 @@ def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, m
     assert runs == [first, first + "__2"], runs
     assert before == {f: open(os.path.join(first, f), "rb").read() for f in before}
     assert [P.load_checkpoint(r)["args"]["learning_rate"] for r in runs] == [1e-4, 3e-4]
+    for _ in range(2):  # two evaluations of one agent in the same second: two TensorBoard runs
+        P.main(P.Args(eval_checkpoint=os.path.join(first, "agent.pt"), eval_episodes=1,
+                      cuda=False), explicit={"eval_checkpoint", "eval_episodes", "cuda"})
+    evaluations = sorted(os.listdir(os.path.join(first, "eval")))
+    assert len(evaluations) == 2 and evaluations[1] == evaluations[0] + "__2", evaluations
 
 
 RESTARTING = """
