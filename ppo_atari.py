@@ -1281,8 +1281,8 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
     if gym.spec(env_id).kwargs["game"] != gym.spec(trained).kwargs["game"]:
         fail(f"{path} was trained on {trained}, not {env_id}; drop --env-id, or give an id of "
              f"the same game")
-    other = "" if env_id == trained else env_id.replace("/", "-") + "-"  # its own folders:
-    name = own_folder(f"{run_dir}/eval", f"{other}step{step}-seed{args.seed}-{int(time.time())}")
+    other = "" if env_id == trained else env_id.replace("/", "-") + "-"
+    name = f"{other}step{step}-seed{args.seed}-{time.time():.3f}"  # a TensorBoard run of its own
     events = os.path.join(run_dir, "eval", name)
     video = os.path.join(run_dir, "eval-videos", name) if args.capture_video else None
     eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")

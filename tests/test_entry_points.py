@@ -201,7 +201,7 @@ def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, m
         P.main(P.Args(eval_checkpoint=os.path.join(first, "agent.pt"), eval_episodes=1,
                       cuda=False), explicit={"eval_checkpoint", "eval_episodes", "cuda"})
     evaluations = sorted(os.listdir(os.path.join(first, "eval")))
-    assert len(evaluations) == 2 and evaluations[1] == evaluations[0] + "__2", evaluations
+    assert len(evaluations) == 2, evaluations  # (named to the millisecond)
 
 
 RESTARTING = """
