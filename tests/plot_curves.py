@@ -168,8 +168,8 @@ def main():
             sys.exit("--scores writes a CSV file: give --export FOLDER too")
         print(f"wrote {export_scores(a.scores, a.export)}")
     scored = {}  # evaluation: scores
-    for path in a.csv:
-        read = read_csv(path)
+    for path in [p for pattern in a.csv for p in sorted(glob.glob(pattern)) or [pattern]]:
+        read = read_csv(path)  # (a quoted glob is expanded here)
         if isinstance(read, dict):
             scored.update(read)
         else:
