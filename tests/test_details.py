@@ -421,6 +421,165 @@ def test_learning_rate_and_clip_range_annealed_linearly(workdir, monkeypatch):
             f"iterations 1-4 of 4 (linear to 0); this copy's {clips}"))
 
 
+def test_the_first_minibatch_has_ratio_one_no_clipping_and_no_kl(instrumented):
+    """Before the first optimizer step the policy is the rollout's: the stored log-probabilities
+    are the rollout policy's, so the ratio is exactly 1, nothing is clipped, both KL estimates
+    are 0, and the surrogate of normalized advantages (mean 0) is 0."""
+    first = optimizer_steps(instrumented)[0]  # its calls' metrics, weighted by their rows
+    m, gap = first["metrics"], first["ratio_gap"]
+    checks = [(gap < 1e-5, f"the stored log-probabilities are the rollout policy's (ratio 1 "
+               f"before the first step); this copy's differ by {gap:.3g}")]
+    for name, bound in [("old_approx_kl", 1e-6), ("approx_kl", 1e-6), ("clipfrac", 0.0),
+                        ("value_clipfrac", 0.0), ("policy_loss", 1e-5)]:
+        hint = " (advantages normalized per minibatch?)" if name == "policy_loss" else ""
+        checks.append((abs(m[name]) <= bound, f"{name} of the first minibatch (ratio 1; "
+                       f"advantages normalized to mean 0): 0 published, this copy's "
+                       f"{m[name]:.3g}{hint}"))
+    expect(*checks, (0 < m["entropy"] <= math.log(4) + 1e-6, f"entropy of 4 actions: in "
+                     f"(0, log 4]; this copy's {m['entropy']:.4g}"))
+
+
+def test_every_metric_of_the_training_loss_is_logged(instrumented):
+    """A metric is one entry in the loss's dict: logged as losses/<name>, the mean over the
+    iteration's minibatches; grad_norm, the norm before clipping, is logged by default."""
+    calls, logged = optimizer_steps(instrumented), instrumented["logged"]
+    checks = []
+    for name in calls[0]["metrics"]:
+        per_iteration = [sum(c["metrics"][name] for c in calls[i * 12:(i + 1) * 12]) / 12
+                         for i in range(2)]
+        got = [v for _, v in logged.get(f"losses/{name}", [])]
+        checks.append((got == pytest.approx(per_iteration, rel=1e-5), f"losses/{name}: the mean "
+                       f"of the metric over each iteration's 12 optimizer steps, "
+                       f"{[f'{v:.6g}' for v in per_iteration]}; this copy logged "
+                       f"{[f'{v:.6g}' for v in got]}"))
+    grad_norms = [v for _, v in logged.get("losses/grad_norm", [])]
+    expect(*checks, (len(grad_norms) == 2 and all(v > 0 for v in grad_norms), f"losses/grad_norm "
+                     f"(the norm before clipping) logged at each iteration; this copy's "
+                     f"{grad_norms}"))
+
+
+def test_truncation_is_a_done_and_gae_bootstraps_from_the_next_value(instrumented):
+    need("compute_gae")
+    first = gae_calls(instrumented)[0]
+    dones, next_value = first["dones"], first["next_value"]
+    expected = torch.tensor([float((t + 1) % 5 == 0) for t in range(16)])
+    expect((dones.shape == (16, 4) and torch.equal(dones[:, 0], expected), f"a truncation "
+            f"(every 5 steps here) is a done at the step that ended it: {expected.tolist()}; "
+            f"this copy's GAE got {dones[:, 0].tolist() if dones.dim() == 2 else dones.shape}"),
+           (bool(torch.all(next_value != 0)), "GAE bootstraps from the value of the observation "
+            "after the rollout's last step; this copy's next_value is 0"))
+
+
+def gae_of_record(rewards, values, dones, next_value, gamma, lam):
+    """GAE (Schulman et al. 2016) as CleanRL and baselines ppo2 compute it, written here apart
+    from the file: dones[t] = 1 when step t's action ended the episode; the last step bootstraps
+    from the next observation's value. Returns (advantages, returns = advantages + values)."""
+    advantages, running = torch.zeros_like(rewards), torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[0])):
+        following = next_value if t == rewards.shape[0] - 1 else values[t + 1]
+        delta = rewards[t] + gamma * following * (1 - dones[t]) - values[t]
+        running = delta + gamma * lam * (1 - dones[t]) * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def test_the_loss_receives_gae_of_the_rollout(instrumented):
+    """What reaches the loss: the advantages and returns (value targets) in every minibatch the
+    training loss receives equal GAE of that iteration's rollout (its rewards, values and
+    dones, bootstrapped from the value of the next observation), whatever the copy computes
+    them with. Rows are matched through their rollout value (mb["values"])."""
+    steps, rollouts = optimizer_steps(instrumented), instrumented["rollouts"]
+    need(what="make_batch(agent, storage, next_obs, ...) with storage's rewards, values and "
+         "dones (T, N), and Agent.get_action_and_value(next_obs) for the bootstrap value",
+         problem=None if rollouts and "rewards" in rollouts[0] else "this copy has not")
+    args = steps[0]["args"]
+    per_iteration = len(steps) // len(rollouts)
+    gaps, rows, hints = {"advantages": [], "returns": []}, 0, set()
+    for i, rollout in enumerate(rollouts):
+        advantages, returns = gae_of_record(rollout["rewards"], rollout["values"],
+                                            rollout["dones"], rollout["next_value"],
+                                            args.gamma, args.gae_lambda)
+        expected = {"advantages": advantages.flatten(), "returns": returns.flatten()}
+        where = {round(float(v), 9): j for j, v in enumerate(rollout["values"].flatten())}
+        assert len(where) == rollout["values"].numel(), "rollout values repeat: rows unmatched"
+        everything = expected["advantages"]
+        for step in steps[i * per_iteration:(i + 1) * per_iteration]:
+            need(what="minibatch_loss's mb with 'values', 'advantages' and 'returns'",
+                 problem=None if all(len(c["targets"]) == 3 for c in step["calls"]) else
+                 f"this copy's mb has {sorted(step['calls'][0]['targets'])}")
+            got = {k: torch.cat([c["targets"][k] for c in step["calls"]])
+                   for k in ("values", "advantages", "returns")}
+            index = torch.tensor([where.get(round(float(v), 9), -1) for v in got["values"]])
+            assert (index >= 0).all(), "the minibatch's values are not the rollout's"
+            rows += len(index)
+            gaps["returns"].append((got["returns"] - expected["returns"][index]).abs())
+            gae = expected["advantages"][index]  # GAE, or GAE normalized over the minibatch the
+            normalized = (gae - gae.mean()) / (gae.std() + 1e-8)  # step learns from (before a
+            gaps["advantages"].append(min((got["advantages"] - gae).abs(),  # split into calls)
+                                          (got["advantages"] - normalized).abs(),
+                                          key=lambda g: float(g.max())))
+            if float(gaps["advantages"][-1].max()) > 1e-4 and args.norm_adv:
+                over_batch = (gae - everything.mean()) / (everything.std() + 1e-8)
+                if float((got["advantages"] - over_batch).abs().max()) <= 1e-4:
+                    hints.add("normalized over the whole batch, not per minibatch")
+                elif len(step["calls"]) > 1:
+                    hints.add("normalized over each loss call's rows, not over the minibatch")
+    lines = []
+    for key, parts in gaps.items():
+        gap = torch.cat(parts)
+        if gap.max() > 1e-4:
+            what = "returns (the value targets)" if key == "returns" else key
+            lines.append(f"{what}: differ from GAE(gamma {args.gamma}, lambda {args.gae_lambda}) "
+                         f"of the rollout by up to {gap.max():.4g} (mean {gap.mean():.4g}; "
+                         f"{int((gap > 1e-4).sum())} of {rows} minibatch rows)" + (
+                             f"; advantage normalization: {', '.join(sorted(hints))}"
+                             if key == "advantages" and hints else ""))
+    assert not lines, ("what the training loss receives is not GAE of record (CleanRL, "
+                       "baselines ppo2):\n" + "\n".join(lines))
+
+
+def test_the_loss_of_record_far_from_ratio_one(instrumented):
+    """The training loss on a crafted minibatch of the real agent: ratios from e^-3 to e^3 (far
+    outside the clip range on both sides), advantages of both signs, values far from their
+    targets, against PPO's loss of record term by term (a dual clip, another value loss or a
+    bounded surrogate shows up here, where real minibatches, near ratio 1, do not reach; a term
+    added to the total is test_the_training_loss_is_the_ppo_loss_of_record's). A fork's own
+    minibatch rows (an intrinsic return) come from a real minibatch."""
+    call = loss_calls(instrumented)[-1]
+    need("Agent.get_action_and_value")
+    args, agent = call["args"], instrumented["agent"]
+    n, g = 48, torch.Generator().manual_seed(0)
+    obs = torch.randint(0, 256, (n, *OBS), dtype=torch.uint8, generator=g)
+    actions = torch.randint(0, 4, (n,), generator=g)
+    with torch.no_grad():
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)[:4]
+    shift = torch.linspace(-3, 3, n)  # log-ratio: newlogprob - logprob
+    signs = torch.tensor([1.0, -1.0]).repeat(n // 2)
+    mb = {"obs": obs, "actions": actions, "logprobs": newlogprob - shift,
+          "advantages": signs * (torch.rand(n, generator=g) * 4 + 0.5),
+          "values": newvalue + torch.randn(n, generator=g) * 3,
+          "returns": newvalue + torch.randn(n, generator=g) * 10}
+    mb |= {k: v[torch.arange(n) % len(v)] for k, v in call.get("own_rows", {}).items()}
+    clip = 0.1
+    carry = copy.deepcopy(instrumented["carry"])  # a stateful fork's coefficient, say
+    _, metrics = P.minibatch_loss(agent, mb, torch.tensor(clip), args, carry)
+    ratio = torch.exp(newlogprob - mb["logprobs"])
+    adv = mb["advantages"]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8) if args.norm_adv else adv
+    pg = -torch.min(adv * ratio, adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+    error = (newvalue - mb["returns"]) ** 2
+    moved = mb["values"] + (newvalue - mb["values"]).clamp(-clip, clip)
+    v = 0.5 * (torch.maximum(error, (moved - mb["returns"]) ** 2) if args.clip_vloss else
+               error).mean()
+    of_record = {"policy_loss": pg, "value_loss": v, "entropy": entropy.mean()}
+    need(what="minibatch_loss's metrics policy_loss, value_loss and entropy", problem=None if
+         of_record.keys() <= metrics.keys() else f"this copy's metrics are {sorted(metrics)}")
+    got = {k: float(metrics[k]) for k in of_record}  # the total is the training-loss test's
+    expect(*[(abs(got[k] - float(e)) <= 1e-4 * max(1.0, abs(float(e))), f"{k} at ratios e^-3.."
+              f"e^3, advantages of both signs, values far from their targets: PPO's "
+              f"{float(e):.6g}; this copy's {got[k]:.6g}") for k, e in of_record.items()])
+
+
 def test_explained_variance_is_one_minus_the_residual_variance_share(instrumented):
     """losses/explained_variance = 1 - Var[returns - values] / Var[returns] over the iteration's
     batch (the rollout's values against GAE's returns), as CleanRL and baselines log it."""
