@@ -298,7 +298,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_backends.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer"),
     ("a second Ctrl-C kills the workers before exiting",
      "                    kill_workers()  # before they find the trainer gone\n", "",
-     "test_backends.py::test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none"),
+     "test_backends.py::test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step"),
     ("each signal is taken as it comes, through the wakeup fd",
      "old_fd = signal.set_wakeup_fd(writer.fileno())", "old_fd = signal.set_wakeup_fd(-1)",
      "test_backends.py::test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none"),

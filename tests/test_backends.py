@@ -255,6 +255,55 @@ def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp
     assert "Traceback" not in err and "leaked" not in err, err[-3000:]
 
 
+STUCK = """
+import importlib.util, os, sys, time
+import gymnasium as gym
+import tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+
+class Stuck(gym.Wrapper):  # once STUCK_FLAG exists, a step takes two minutes
+    def step(self, action):
+        if os.path.exists(os.environ["STUCK_FLAG"]):
+            time.sleep(120)
+        return self.env.step(action)
+
+real_make_env = P.make_env
+P.make_env = lambda *a, **kw: (lambda thunk: lambda: Stuck(thunk()))(real_make_env(*a, **kw))
+if __name__ == "__main__":  # async env workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step(tmp_path):
+    """The second Ctrl-C ends the run at once, workers included: a worker in the middle of a
+    step that takes two minutes (a hung emulator, a slow fork's env) is killed with the trainer
+    instead of finishing its step first (it would find the trainer gone only then)."""
+    need("main")
+    (tmp_path / "stuck.py").write_text(STUCK)
+    flag = tmp_path / "stuck-now"
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
+                   "--run-name", "stuck"], tmp_path, script=tmp_path / "stuck.py",
+                  env={"STUCK_FLAG": str(flag)}, new_session=True)
+    try:
+        assert proc.line_starting("step ") is not None, proc.communicate()[1][-2000:]
+        flag.write_text("")  # the workers' next step hangs, and the trainer waits for it
+        time.sleep(1.0)
+        for _ in range(2):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        proc.wait(timeout=30)
+        left = left_in_session(proc.pid, within=10)
+        assert proc.returncode == 130, (proc.returncode, open(proc.err).read()[-2000:])
+        assert not left, f"{len(left)} process(es) of the run still alive 10 s after it exited " \
+            f"(its workers, still in their step)"
+    finally:
+        for pid in left_in_session(proc.pid, within=0):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("when", ["training", "workers starting"])
 def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_path, when):
     """Two Ctrl-Cs to the process group (a terminal's), async workers: exit 130 with the one
