@@ -395,16 +395,15 @@ def test_learning_rate_and_clip_range_annealed_linearly(workdir, monkeypatch):
     and 1/4 of them in iterations 1-4 of 4, at every optimizer step (4 iterations: a cosine
     decay meets the line at iterations 1 and 2 of 2), in the stand-in game."""
     need("main")
-    seen, real_step = [], torch.optim.Adam.step
+    seen, clips, last, real_step, real_loss = [], [], [], torch.optim.Adam.step, P.minibatch_loss
 
-    def step(self, *a, **kw):  # the rate each optimizer step uses
+    def step(self, *a, **kw):  # the rate and clip range of each optimizer step
         seen.append(self.param_groups[0]["lr"])
+        clips.append(last[-1])
         return real_step(self, *a, **kw)
 
-    clips, real_loss = [], P.minibatch_loss
-
-    def loss(*a, **kw):  # the clip range each loss call gets
-        clips.append(round(float(bound(real_loss, a, kw)["clip_coef"]), 6))
+    def loss(*a, **kw):  # (a step may learn from several loss calls)
+        last.append(round(float(bound(real_loss, a, kw)["clip_coef"]), 6))
         return real_loss(*a, **kw)
 
     monkeypatch.setattr(torch.optim.Adam, "step", step)
