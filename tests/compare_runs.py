@@ -1,41 +1,56 @@
-"""Is my fork better? Seeds and games of several groups of runs compared the way Agarwal et al.
-(NeurIPS 2021, "Deep Reinforcement Learning at the Edge of the Statistical Precipice") ask (not
-collected by pytest; numpy only, matplotlib for --plot).
+"""Is my fork better? Groups of runs compared as Agarwal et al. (NeurIPS 2021, "Deep
+Reinforcement Learning at the Edge of the Statistical Precipice") ask, with their figures computed
+as their library rliable computes them (not collected by pytest; numpy only, matplotlib for
+--plot, tensorboard and torch to read run folders).
 
     python tests/compare_runs.py baseline='runs/base-*' fork='runs/fork-*'
     python tests/compare_runs.py ours='tests/figures/breakout-10M-seed[123].csv' --at 2000000
-    python tests/compare_runs.py baseline='runs/base-*' fork='runs/fork-*' --plot compare.png
+    python tests/compare_runs.py baseline='runs/base-*' fork='runs/fork-*' --plot compare.png \\
+        --json compare.json
 
 Each NAME=PATHS names a group; PATHS is a glob (or several, comma-separated) of run folders
 (their TensorBoard events, read as TensorBoard reads them: a resume purges the events a crash
 left past its checkpoint) or of CSV files exported by tests/plot_curves.py. A run's score is
-charts/avg_episodic_return (the mean of its last 100 games) at its last logged step, or at the
-last step logged at or before --at STEP. Its game comes from its checkpoint (args.env_id), else
-from its folder or file name (breakout-10M-seed1.csv: Breakout).
+charts/avg_episodic_return (the mean of its last 100 games) at the last step logged at or before
+the budget.
 
-Per group: the runs and games found; the mean and the median over games of the per-game mean
-score and the interquartile mean (IQM: the mean of the middle 50% of all runs x games, a score at
-a quartile counting by the share of it inside), each with a 95% stratified-bootstrap interval
-(runs resampled with replacement within each game, 2,000 times, seeded: the same command prints
-the same figures). With two groups or more, the probability of improvement of each over the
-first, P(X > Y) = the mean over games of the chance that a run of X beats a run of Y (ties
-half), with its interval. Scores are human-normalized, (score - random) / (human - random), when
-every game has a row in DeepMind's Atari-57 table (dqn_zoo's atari_data.py; the table Agarwal
-et al. use); otherwise raw, which pools only over one game honestly. Last: a markdown table.
---plot OUT.png draws the IQM over steps with its interval per group and the performance profile
-(the share of runs scoring above tau, averaged over games). Bad input: one line, exit 2.
+The budget is one step for every run of every group: --at STEP (a run that ended more than one
+iteration before it is refused), else the largest step every run reached, else, when every run
+finished the same plan, each run's last step. The game is the run's env id (its checkpoint, else
+its logged hyperparameters, else the CSV's env_id column), else an Atari-57 game named by a word
+of its file or folder name, else --game; a run with no game is refused. Two env ids of one game
+(NoFrameskip-v4 and v5 with sticky actions) are two protocols and are refused together.
+
+Per group: the mean and the median over games of the per-game mean, the interquartile mean (IQM)
+and the optimality gap (1 - the mean of min(score, 1), human-normalized scores), each with a
+stratified-bootstrap percentile interval (runs drawn with replacement within each game; one
+seeded generator per group). Games weigh equally: with equal runs per game these are rliable's
+figures (IQM: scipy.stats.trim_mean(x, 0.25) over all runs x games); with unequal runs per game
+(which rliable cannot represent) each run weighs 1 / (games x runs of its game) and the IQM keeps
+the middle half of that weight. With two groups or more, for each against the first: the
+probability of improvement P(X > Y) (the mean over games of the share of run pairs X wins, ties
+half) with its interval (both groups resampled), an exact permutation p-value (Mann-Whitney with
+ties, labels permuted within each game), and the seeds per group at which a difference of the
+size observed gives p < 0.05 in 80% of experiments drawn from these runs. Scores are
+human-normalized, (score - random) / (human - random), when every game has a row in DeepMind's
+Atari-57 table (dqn_zoo atari_data.py, the table Agarwal et al. use); otherwise raw. Then a
+per-game table and a markdown table; --json PATH writes every figure, --plot OUT.png the IQM over
+steps and the performance profile. Bad input: one line naming what is wrong, exit 2.
 """
 import argparse
 import csv
 import glob
+import json
+import logging
+import math
 import os
 import re
+import struct
 import sys
-from math import comb
+import zlib
 
 import numpy as np
 
-REPS, SEED = 2000, 0
 # game: (random, human) scores, Atari-57, no-op starts: DeepMind dqn_zoo, dqn_zoo/atari_data.py
 ATARI_57 = {
     "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0),
@@ -61,104 +76,338 @@ ATARI_57 = {
 }
 TABLE = "DeepMind's Atari-57 random and human scores (dqn_zoo atari_data.py)"
 TAG = "charts/avg_episodic_return"
+AGGREGATES = ["mean", "median", "iqm", "optimality gap"]
+POWER_RUNS, POWER_SIMS = 20, 200  # "how many seeds would tell": up to 20 runs, 200 experiments
+CURVE_POINTS, CURVE_REPS = 60, 1000  # the IQM over steps: points and resamples of its band
+
+
+logging.getLogger("tensorboard").setLevel(logging.ERROR)  # no word per purged resume
 
 
 class Bad(Exception):
     """Bad input: main prints it in one line and exits 2."""
 
 
-# ---- the statistics: each takes scores with a leading axis of bootstrap replicates -----------
+# ---- the statistics: scores per game, each (..., runs of that game); leading axes: resamples ---
 
-def iqm(x):
-    """Interquartile mean over the last axis: the mean of the middle 50% of the values, those at
-    the 25th and 75th percentiles weighted by the share of them inside (n = 4k: the middle 2k)."""
+def equal_counts(per_game) -> bool:
+    return len({g.shape[-1] for g in per_game}) == 1
+
+
+def iqm(per_game):
+    """The interquartile mean. Equal runs per game: rliable's, scipy.stats.trim_mean(x, 0.25)
+    over all runs x games (floor(n / 4) values cut at each end). Unequal: each run weighs
+    1 / (games x runs of its game) and the middle half of the weight is kept (the values at the
+    25% and 75% marks counting by the share of their weight inside)."""
+    x = np.concatenate(per_game, axis=-1)
     n = x.shape[-1]
-    lo, hi = np.arange(n) / n, np.arange(1, n + 1) / n
-    weights = np.clip(np.minimum(hi, 0.75) - np.maximum(lo, 0.25), 0, None) / 0.5
-    return np.sort(x, axis=-1) @ weights
+    if equal_counts(per_game):
+        cut = n // 4
+        return np.sort(x, axis=-1)[..., cut:n - cut].mean(axis=-1)
+    weight = np.concatenate([np.full(g.shape[-1], 1 / (len(per_game) * g.shape[-1]))
+                             for g in per_game])
+    order = np.argsort(x, axis=-1)
+    w = weight[order]
+    above = np.cumsum(w, axis=-1)
+    kept = np.clip(np.minimum(above, 0.75) - np.maximum(above - w, 0.25), 0, None)
+    return (np.take_along_axis(x, order, axis=-1) * kept).sum(axis=-1) / 0.5
 
 
-def aggregates(per_game):
-    """{mean, median, iqm} of scores per game, each (reps, runs of that game)."""
+def aggregates(per_game, bounds=None) -> dict:
+    """{mean, median, iqm} and, given each game's (random, human) scores, the optimality gap of
+    the human-normalized scores: games weigh equally in each."""
     means = np.stack([g.mean(axis=-1) for g in per_game], axis=-1)
-    return {"mean": means.mean(axis=-1), "median": np.median(means, axis=-1),
-            "iqm": iqm(np.concatenate(per_game, axis=-1))}
+    out = {"mean": means.mean(axis=-1), "median": np.median(means, axis=-1),
+           "iqm": iqm(per_game)}
+    if bounds is not None:
+        below_one = np.stack([np.minimum((g - random) / (human - random), 1.0).mean(axis=-1)
+                              for g, (random, human) in zip(per_game, bounds)], axis=-1)
+        out["optimality gap"] = 1.0 - below_one.mean(axis=-1)
+    return out
 
 
 def improvement(xs, ys):
     """P(X > Y): over games, the share of (x run, y run) pairs in which x scores higher, ties
-    counting half; xs, ys: per game (reps, runs)."""
+    counting half (Mann-Whitney's U / (n m)); xs, ys: per game (..., runs)."""
     per_game = [((x[..., :, None] > y[..., None, :]) + 0.5 * (x[..., :, None] == y[..., None, :])
                  ).mean(axis=(-2, -1)) for x, y in zip(xs, ys)]
     return np.mean(per_game, axis=0)
 
 
-def resample(per_game, rng, reps=REPS):
-    """Stratified bootstrap: each game's runs drawn with replacement, reps times, (reps, n) each."""
-    return [g[rng.integers(0, len(g), size=(reps, len(g)))] for g in per_game]
+def resample(per_game, rng, reps):
+    """Stratified bootstrap: each game's runs drawn with replacement, (reps, runs) each."""
+    return [g[rng.integers(0, g.shape[-1], size=(reps, g.shape[-1]))] for g in per_game]
 
 
-def interval(draws):
-    """The 95% percentile interval of bootstrap draws."""
-    return tuple(np.percentile(draws, [2.5, 97.5]))
+def interval(draws, confidence):
+    """The percentile interval of bootstrap draws (as arch's conf_int(method="percentile"))."""
+    tail = 100 * (1 - confidence) / 2
+    lower, upper = np.percentile(draws, [tail, 100 - tail], axis=0)
+    return lower, upper
 
 
 def profile(per_game, taus):
-    """The performance profile: at each tau, the share of runs scoring above it, mean over games."""
+    """The performance profile: at each tau, the share of runs scoring above it, mean over games
+    (rliable's score distribution when every game has as many runs)."""
     return np.mean([(g[..., :, None] > taus).mean(axis=-2) for g in per_game], axis=0)
+
+
+def group_rng(seed: int, *names: str):
+    """A generator of a group's own (or a pair's): the figures of a group never depend on which
+    other groups are compared, nor on their order."""
+    return np.random.default_rng([seed, *(zlib.crc32(n.encode()) for n in names)])
+
+
+# ---- the exact permutation test ------------------------------------------------------------------
+
+def midranks(values):
+    """Ranks 1..N, ties sharing the mean of their ranks."""
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    return (np.cumsum(counts) - (counts - 1) / 2)[inverse]
+
+
+def null_of_u(x, y):
+    """Under the permutation null (every split of the pooled runs into len(x) and len(y) alike
+    likely), the distribution of 2U, U = Mann-Whitney's statistic for x with ties counting half:
+    an array of probabilities indexed by 2U = 0 .. 2 len(x) len(y), and the observed 2U."""
+    n, pooled = len(x), np.concatenate([x, y])
+    doubled = np.rint(2 * midranks(pooled)).astype(int)  # twice a midrank: an integer
+    ways = np.zeros((n + 1, doubled.sum() + 1))
+    ways[0, 0] = 1.0
+    for r in doubled:  # ways[k, s]: the subsets of k runs whose doubled ranks sum to s
+        ways[1:, r:] = ways[1:, r:] + ways[:-1, :-r]
+    shift = n * (n + 1)  # 2U = 2 (rank sum) - n (n + 1)
+    null = ways[n, shift:shift + 2 * n * len(y) + 1]
+    return null / null.sum(), int(doubled[:n].sum()) - shift
+
+
+def normal_p(xs, ys) -> float:
+    """The two-sided p-value of the stratified statistic by its normal approximation (used only
+    in the power simulation, above 8 runs a group)."""
+    mean_p, variance = [], 0.0
+    for x, y in zip(xs, ys):
+        n, m = len(x), len(y)
+        _, ties = np.unique(np.concatenate([x, y]), return_counts=True)
+        big = n + m
+        var_u = n * m / 12 * ((big + 1) - (ties ** 3 - ties).sum() / (big * (big - 1)))
+        variance += var_u / (n * m) ** 2
+        mean_p.append(improvement([x], [y]))
+    z = abs(np.mean(mean_p) - 0.5) / (math.sqrt(variance) / len(xs) or math.inf)
+    return math.erfc(z / math.sqrt(2))
+
+
+def p_value(xs, ys) -> float:
+    """The exact two-sided permutation p-value of P(X > Y) - 0.5: the labels X, Y permuted within
+    each game (a stratified test; one game: the exact Mann-Whitney test with ties); the share of
+    permutations whose statistic, the mean over games of U / (n m), lies at least as far from
+    0.5 as the observed one."""
+    scale = math.lcm(*(2 * len(x) * len(y) for x, y in zip(xs, ys)))  # a common integer grid
+    total, observed = np.ones(1), 0
+    for x, y in zip(xs, ys):
+        null, seen = null_of_u(x, y)
+        step = scale // (2 * len(x) * len(y))
+        spread = np.zeros(len(null) * step - step + 1)
+        spread[::step] = null
+        total, observed = np.convolve(total, spread), observed + seen * step
+    centre = len(xs) * scale / 2
+    far = np.abs(np.arange(len(total)) - centre) >= abs(observed - centre) - 1e-9
+    return float(min(1.0, total[far].sum()))
+
+
+def seeds_needed(xs, ys, rng, alpha=0.05, power=0.8):
+    """The runs per group at which experiments drawn from these runs (each game's runs of each
+    group resampled with replacement) give p < alpha in `power` of POWER_SIMS experiments; None
+    above POWER_RUNS. Exact p-values up to 8 runs, the normal approximation above."""
+    for n in range(2, POWER_RUNS + 1):
+        hits = 0
+        for _ in range(POWER_SIMS):
+            x = [g[rng.integers(0, len(g), n)] for g in xs]
+            y = [g[rng.integers(0, len(g), n)] for g in ys]
+            hits += (p_value(x, y) if n <= 8 else normal_p(x, y)) < alpha
+        if hits >= power * POWER_SIMS:
+            return n
+    return None
 
 
 # ---- reading runs -------------------------------------------------------------------------------
 
-def game_of(text: str) -> str:
-    """The game an env id or a run's folder or file name names: BreakoutNoFrameskip-v4,
-    ALE/Breakout-v5, breakout-10M-seed1.csv: Breakout."""
-    base = os.path.basename(text.replace("ALE/", "")).removeprefix("ALE-")
-    word = re.split(r"NoFrameskip|Deterministic|-v\d|__|[-_.]", base)[0]
-    return {g.lower(): g for g in ATARI_57}.get(word.lower(), word)
+def games_named(text: str) -> list[str]:
+    """The Atari-57 games a name or an env id names in any of its words: BreakoutNoFrameskip-v4,
+    ALE/Breakout-v5, base-breakout-s1.csv: Breakout."""
+    lower = {g.lower(): g for g in ATARI_57}
+    found = []
+    for word in re.split(r"[^A-Za-z0-9]+", text):
+        word = re.sub(r"(noframeskip|deterministic)$", "", word.lower())
+        if word in lower and lower[word] not in found:
+            found.append(lower[word])
+    return found
 
 
-def read_run(path: str) -> dict:
-    """{path, game, steps, values}: the run's curve of charts/avg_episodic_return."""
-    if path.endswith(".csv"):
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        if not rows or not {"step", "avg_return_last100"} <= set(rows[0]):
-            raise Bad(f"{path} is not a curve exported by tests/plot_curves.py (columns step, "
-                      f"avg_return_last100)")
-        steps, values = ([float(r[k]) for r in rows] for k in ("step", "avg_return_last100"))
-        game = game_of(path)
-    else:
-        if not glob.glob(os.path.join(path, "events.out.tfevents.*")):
-            raise Bad(f"{path} holds no TensorBoard events: not a run folder of ppo_atari.py")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from conftest import scalars  # TensorBoard's own view: purged events left out
-        logged = scalars(path)
-        if not logged.get(TAG):
-            last = max((s for tag in logged.values() for s, _ in tag), default=0)
-            raise Bad(f"{path} finished no game by step {last:,}: it has no {TAG}")
-        steps, values = zip(*logged[TAG])
-        game = game_of(path)
-        if os.path.isfile(checkpoint := os.path.join(path, "checkpoint.pt")):
-            import torch
+def protocol(env_id: str) -> str:
+    """How an env id's game is played, in words, for the refusal of two protocols of a game."""
+    if re.search(r"-v5$", env_id):
+        return "v5: sticky actions 0.25, full action set"
+    if "NoFrameskip-v4" in env_id:
+        return "NoFrameskip-v4: no sticky actions"
+    return env_id
+
+
+def check_events(path: str):
+    """Every record of a TensorBoard events file whole and its checksums right: TensorBoard
+    stops reading a file at a bad record without a word. An unfinished last record (a writer
+    killed mid-write) is allowed, as TensorBoard allows it."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    with open(path, "rb") as f:
+        data = f.read()
+    position, record = 0, 1
+    while len(data) - position >= 12:
+        header = data[position:position + 8]
+        (length,), (check,) = struct.unpack("<Q", header), struct.unpack(
+            "<I", data[position + 8:position + 12])
+        if masked_crc32c(header) != check:
+            raise Bad(f"{path}: corrupt events file: record {record} (byte {position:,}) fails "
+                      f"its checksum; TensorBoard stops reading there: move the file aside to "
+                      f"compare what the run's other files hold")
+        end = position + 12 + length + 4
+        if end > len(data):
+            break
+        if masked_crc32c(data[position + 12:end - 4]) != struct.unpack("<I", data[end - 4:end])[0]:
+            raise Bad(f"{path}: corrupt events file: record {record} (byte {position:,}) fails "
+                      f"its checksum; TensorBoard stops reading there: move the file aside to "
+                      f"compare what the run's other files hold")
+        position, record = end, record + 1
+
+
+def scalars(path: str) -> dict:
+    """{tag: [(step, value), ...]} of a run folder as TensorBoard shows it (events a resume
+    purged left out), every events file checked first."""
+    files = sorted(glob.glob(os.path.join(path, "events.out.tfevents.*")))
+    if not files:
+        raise Bad(f"{path} holds no TensorBoard events: not a run folder of ppo_atari.py")
+    for file in files:
+        check_events(file)
+    from tensorboard.backend.event_processing import event_accumulator
+    acc = event_accumulator.EventAccumulator(path, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def run_settings(path: str) -> dict:
+    """A run folder's Args as text: its logged hyperparameters, overridden by its checkpoint's;
+    "from" says which held the env id."""
+    from tensorboard.backend.event_processing import event_accumulator
+    acc = event_accumulator.EventAccumulator(path, size_guidance={"tensors": 0})
+    acc.Reload()
+    settings = {}
+    if "hyperparameters/text_summary" in acc.Tags()["tensors"]:
+        text = acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0]
+        settings = dict(re.findall(r"^\|([^|]+)\|([^|]*)\|$", text.decode(), re.M))
+    source = "logged hyperparameters" if settings.get("env_id") else None
+    checkpoint = os.path.join(path, "checkpoint.pt")
+    if os.path.isfile(checkpoint):
+        import torch
+        try:
             saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-            game = game_of(saved.get("args", {}).get("env_id", path))
-    return {"path": path, "game": game, "steps": np.array(steps), "values": np.array(values)}
+            saved_args = dict(saved["args"])
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise Bad(f"{checkpoint}: cannot be read as a checkpoint of ppo_atari.py ({first}); "
+                      f"move it aside to compare the run by its events alone")
+        settings.update({k: str(v) for k, v in saved_args.items()})
+        source = "checkpoint" if saved_args.get("env_id") else source
+    return {**settings, "from": source}
 
 
-def score_at(run: dict, at: int | None) -> tuple[int, float]:
-    """(step, score): the run's last logged value, or the last at or before `at`."""
-    keep = run["steps"] <= (np.inf if at is None else at)
-    if not keep.any():
-        raise Bad(f"{run['path']} finished no game by step {at:,} (its first score is at step "
-                  f"{int(run['steps'][0]):,}); raise --at")
-    i = np.flatnonzero(keep)[-1]
-    return int(run["steps"][i]), float(run["values"][i])
+def read_folder(path: str) -> dict:
+    """A run folder: its curve (TensorBoard's view), its env id and its plan."""
+    logged = scalars(path)
+    if not logged.get(TAG):
+        last = max((s for tag in logged.values() for s, _ in tag), default=0)
+        raise Bad(f"{path} finished no game by step {last:,}: it has no {TAG}")
+    settings = run_settings(path)
+    steps, values = zip(*logged[TAG])
+    return {"path": path, "steps": np.array(steps), "values": np.array(values),
+            "env_id": settings.get("env_id"), "from": settings["from"],
+            "planned": number(settings.get("total_timesteps"))}
 
 
-def read_groups(specs: list[str]) -> dict:
-    """{name: [run, ...]} from NAME=PATHS arguments."""
-    groups = {}
+def number(text):
+    try:
+        return int(float(text))
+    except (TypeError, ValueError):
+        return None
+
+
+def read_csv(path: str) -> dict:
+    """A curve exported by tests/plot_curves.py, every row checked."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError) as e:
+        raise Bad(f"{path}: cannot be read ({e})")
+    if not rows or rows[0][:2] != ["step", "avg_return_last100"]:
+        raise Bad(f"{path} is not a curve exported by tests/plot_curves.py (its first line "
+                  f"should start step,avg_return_last100)")
+    header, steps, values, env_ids, plans = rows[0], [], [], set(), set()
+    for line, row in enumerate(rows[1:], start=2):
+        cells = dict(zip(header, row))
+        if len(row) != len(header):
+            raise Bad(f"{path}, line {line}: {len(row)} values for {len(header)} columns")
+        try:
+            step, value = float(cells["step"]), float(cells["avg_return_last100"])
+        except ValueError:
+            raise Bad(f"{path}, line {line}: step {cells['step']!r} and avg_return_last100 "
+                      f"{cells['avg_return_last100']!r} must both be numbers")
+        if not (math.isfinite(step) and step == int(step) and step >= 0):
+            raise Bad(f"{path}, line {line}: the step {cells['step']!r} is not a whole number "
+                      f"of agent steps")
+        if not math.isfinite(value):
+            raise Bad(f"{path}, line {line}: avg_return_last100 is {cells['avg_return_last100']}"
+                      f" at step {int(step):,}; a score must be a finite number")
+        if steps and step <= steps[-1]:
+            raise Bad(f"{path}, line {line}: step {int(step):,} does not follow step "
+                      f"{steps[-1]:,} (steps must increase, each once)")
+        steps.append(int(step))
+        values.append(value)
+        env_ids.add(cells.get("env_id", "").strip())
+        plans.add(cells.get("total_timesteps", "").strip())
+    if not steps:
+        raise Bad(f"{path} holds no rows after its header: no curve to compare")
+    if len(env_ids) > 1:
+        raise Bad(f"{path}: its env_id column names {len(env_ids)} env ids "
+                  f"({', '.join(sorted(env_ids))}); one file holds one run")
+    env_id = env_ids.pop() or None
+    return {"path": path, "steps": np.array(steps), "values": np.array(values),
+            "env_id": env_id, "from": "env_id column" if env_id else None,
+            "planned": number(plans.pop()) if len(plans) == 1 else None}
+
+
+def identify(run: dict, game: str | None):
+    """The run's game: its env id's, else an Atari-57 game a word of its name names, else
+    --game; one line otherwise."""
+    if run["env_id"]:
+        run["game"] = (games_named(run["env_id"]) or [run["env_id"]])[0]
+        return
+    name = os.path.normpath(run["path"])
+    for part in [os.path.basename(name), os.path.basename(os.path.dirname(name))]:
+        named = games_named(re.sub(r"\.csv$", "", part))
+        if len(named) > 1:
+            raise Bad(f"{run['path']}: its name names {' and '.join(named)}; say the game with "
+                      f"--game NAME")
+        if named:
+            run["game"], run["from"] = named[0], "the name"
+            return
+    if game:
+        run["game"], run["from"] = (games_named(game) or [game])[0], "--game"
+        return
+    raise Bad(f"{run['path']}: no env id (no checkpoint, logged hyperparameters or env_id "
+              f"column) and no Atari-57 game in its name; say it with --game NAME (as in "
+              f"--game Breakout)")
+
+
+def read_groups(specs: list[str], game=None) -> dict:
+    """{name: [run, ...]} from NAME=PATHS arguments; each file or folder once in all groups."""
+    groups, seen = {}, {}
     for spec in specs:
         name, sep, patterns = spec.partition("=")
         if not sep or not name or not patterns:
@@ -168,200 +417,377 @@ def read_groups(specs: list[str]) -> dict:
         paths = sorted({p for pattern in patterns.split(",") for p in glob.glob(pattern)})
         if not paths:
             raise Bad(f"{name}={patterns}: no run folder or CSV file matches {patterns}")
-        groups[name] = [read_run(p) for p in paths]
-    return groups
-
-
-# ---- the comparison ------------------------------------------------------------------------------
-
-def per_game_scores(runs: list, at, normalize: bool) -> dict:
-    """{game: array of the runs' scores}, human-normalized or raw."""
-    out = {}
-    for run in runs:
-        score = score_at(run, at)[1]
-        if normalize:
-            random, human = ATARI_57[run["game"]]
-            score = (score - random) / (human - random)
-        out.setdefault(run["game"], []).append(score)
-    return {game: np.array(scores) for game, scores in sorted(out.items())}
-
-
-def compare(groups: dict, at=None) -> dict:
-    """Every figure the report prints. "scales": the scores aggregated ("human-normalized" where
-    the table has every game; "raw" for one game, or where it has not); per group: its runs,
-    their steps and raw scores per game, and per scale the point estimates and intervals (None:
-    one run a game); P(group > first) and its interval (the same on either scale)."""
+        for path in paths:
+            real = os.path.realpath(path)
+            if real in seen:
+                raise Bad(f"{path} and {seen[real]} are the same run (given twice); give each "
+                          f"run once")
+            seen[real] = path
+        groups[name] = [read_csv(p) if p.endswith(".csv") else read_folder(p) for p in paths]
+        for run in groups[name]:
+            identify(run, game)
+            run["batch"] = int(np.gcd.reduce(run["steps"])) or 1  # steps are whole iterations
     games = {name: sorted({r["game"] for r in runs}) for name, runs in groups.items()}
     first = next(iter(groups))
     for name in groups:
         if games[name] != games[first]:
             raise Bad(f"the groups cover different games: {first} {', '.join(games[first])}; "
                       f"{name} {', '.join(games[name])}; compare groups over the same games")
-    normalize = all(g in ATARI_57 for g in games[first])
-    scales = ["human-normalized"] * normalize + ["raw"] * (len(games[first]) == 1 or not normalize)
-    out = {"scales": scales, "games": games[first], "groups": {}}
-    rng = np.random.default_rng(SEED)
+    ids = {}
+    for run in [r for runs in groups.values() for r in runs if r["env_id"]]:
+        ids.setdefault(run["game"], {}).setdefault(run["env_id"], run["path"])
+    for game_name, found in ids.items():
+        if len(found) > 1:
+            (a, pa), (b, pb) = sorted(found.items())[:2]
+            raise Bad(f"{pa} ran {a} and {pb} ran {b}: two protocols of {game_name} "
+                      f"({protocol(a)}; {protocol(b)}) that score differently; compare runs of "
+                      f"one env id")
+    return groups
+
+
+# ---- one budget ----------------------------------------------------------------------------------
+
+def choose_budget(groups: dict, at) -> tuple:
+    """(the step every run is scored at or before, or None for each run's last; the line that
+    says so)."""
+    runs = [r for rs in groups.values() for r in rs]
+    last = {r["path"]: int(r["steps"][-1]) for r in runs}
+    if at is not None:
+        for r in runs:
+            if last[r["path"]] < at - r["batch"]:
+                raise Bad(f"{r['path']} ended at step {last[r['path']]:,}, more than one "
+                          f"iteration ({r['batch']:,} steps) before --at {at:,}; compare at a "
+                          f"step every run reached (at most {min(last.values()):,}), or let it "
+                          f"run further")
+        return at, f"at step {at:,} (--at): each run's last score at or before it"
+    plans = {r["planned"] for r in runs}
+    done = all(r["planned"] and last[r["path"]] > r["planned"] - r["batch"] for r in runs)
+    if done and len(plans) == 1:
+        return None, (f"at each run's last step: every run finished its plan of "
+                      f"{plans.pop():,} steps")
+    common = min(last.values())
+    spread = "" if len(set(last.values())) == 1 else (
+        f"; the runs end at steps {min(last.values()):,} to {max(last.values()):,}, so "
+        f"the longer ones are cut there (--at STEP chooses another)")
+    return common, (f"at step {common:,}, the largest step every run reached: each run's last "
+                    f"score at or before it{spread}")
+
+
+def score_at(run: dict, at) -> tuple[int, float]:
+    """(step, score): the run's last logged value at or before `at` (None: its last)."""
+    keep = run["steps"] <= (np.inf if at is None else at)
+    if not keep.any():
+        raise Bad(f"{run['path']} finished no game by step {at:,} (its first score is at step "
+                  f"{int(run['steps'][0]):,}); compare at a later step")
+    i = np.flatnonzero(keep)[-1]
+    return int(run["steps"][i]), float(run["values"][i])
+
+
+def normalized(game: str, score):
+    random, human = ATARI_57[game]
+    return (score - random) / (human - random)
+
+
+# ---- the comparison ------------------------------------------------------------------------------
+
+def summary(per_game, bounds, rng, reps, confidence) -> dict:
+    """Points and intervals of the aggregates (no interval with one run a game)."""
+    points = {k: float(v) for k, v in aggregates(per_game, bounds).items()}
+    if all(len(g) == 1 for g in per_game):
+        return {"point": points, "interval": None}
+    draws = aggregates(resample(per_game, rng, reps), bounds)
+    return {"point": points, "interval": {k: interval(v, confidence) for k, v in draws.items()}}
+
+
+def compare(groups: dict, at, reps=10_000, seed=0, confidence=0.95, power=True) -> dict:
+    """Every figure the report prints, as the --json file holds it."""
+    games = {name: sorted({r["game"] for r in runs}) for name, runs in groups.items()}
+    first = next(iter(groups))
+    in_table = all(g in ATARI_57 for g in games[first])
+    normalize = in_table and len(games[first]) > 1  # one game: its own scores, the gap beside
+    scale = "human-normalized" if normalize else "raw"
+    bounds = None if not in_table else [(0.0, 1.0) if normalize else ATARI_57[g]
+                                        for g in games[first]]
+    out = {"games": games[first], "scale": scale, "budget": at, "reps": reps, "seed": seed,
+           "confidence": confidence, "groups": {}, "against": {}}
+    per_game = {}
     for name, runs in groups.items():
-        raw = per_game_scores(runs, at, False)
-        single = all(len(g) == 1 for g in raw.values())
-        entry = {"runs": runs, "per game": raw, "single": single, "steps": [score_at(r, at)[0]
-                                                                     for r in runs]}
-        for scale in scales:
-            per_game = list(per_game_scores(runs, at, scale != "raw").values())
-            entry[scale] = {k: float(v[0]) for k, v in aggregates([g[None] for g in per_game])
-                            .items()}
-            entry[scale + " ci"] = None if single else {
-                k: interval(v) for k, v in aggregates(resample(per_game, rng)).items()}
-            entry[scale + " scores"] = per_game
-        if name != first:
-            base, mine = list(out["groups"][first]["per game"].values()), list(raw.values())
-            entry["p"] = float(improvement([g[None] for g in mine], [g[None] for g in base])[0])
-            entry["p ci"] = None if single and out["groups"][first]["single"] else interval(
-                improvement(resample(mine, rng), resample(base, rng)))
+        scored = [(r, *score_at(r, at)) for r in runs]
+        raw = {g: np.array([s for r, _, s in scored if r["game"] == g]) for g in games[first]}
+        per_game[name] = [normalized(g, raw[g]) if normalize else raw[g] for g in games[first]]
+        entry = {
+            "runs": [{"path": r["path"], "env_id": r["env_id"], "game": r["game"],
+                      "from": r["from"], "step": step, "score": score} for r, step, score in
+                     scored],
+            "per game": {g: {"runs": len(raw[g]), "scores": raw[g].tolist(),
+                             "mean": float(raw[g].mean()),
+                             "std": float(raw[g].std(ddof=1)) if len(raw[g]) > 1 else None,
+                             "iqm": float(iqm([raw[g]]))} for g in games[first]},
+            "equal runs per game": equal_counts(per_game[name]),
+            **summary(per_game[name], bounds, group_rng(seed, name), reps, confidence)}
         out["groups"][name] = entry
+    for name in list(groups)[1:]:
+        xs, ys = per_game[name], per_game[first]
+        rng = group_rng(seed, name, first)
+        single = all(len(g) == 1 for g in xs + ys)
+        draws = None if single else improvement(resample(xs, rng, reps), resample(ys, rng, reps))
+        many = all(len(g) > 1 for g in xs + ys)
+        out["against"][name] = {
+            "P": float(improvement(xs, ys)), "interval": None if single else interval(
+                draws, confidence), "p": p_value(xs, ys),
+            "per game": {g: {"P": float(improvement([x], [y])), "p": p_value([x], [y])}
+                         for g, x, y in zip(games[first], xs, ys)},
+            "seeds needed": seeds_needed(xs, ys, rng) if power and many else None,
+            "power estimated": bool(power and many)}
+    out["curves"] = curves(groups, out, at)
+    out["profile"] = profiles(per_game, out)
     return out
 
 
-def fmt(x: float) -> str:
-    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
+def curves(groups: dict, out: dict, at) -> dict:
+    """The IQM over steps per group, with its interval band ({steps, iqm, lower, upper})."""
+    everything = [r for runs in groups.values() for r in runs]
+    start = max(r["steps"][0] for r in everything)
+    end = min([r["steps"][-1] for r in everything] + ([at] if at else []))
+    grid = np.unique(np.linspace(start, max(start, end), CURVE_POINTS).astype(int))
+    result = {}
+    for name, runs in groups.items():
+        per_game = []
+        for game in out["games"]:
+            values = [r["values"][np.searchsorted(r["steps"], grid, side="right") - 1]
+                      for r in runs if r["game"] == game]
+            values = np.array(values).T  # (steps, runs)
+            per_game.append(normalized(game, values) if out["scale"] != "raw" else values)
+        line = {"steps": grid.tolist(), "iqm": iqm(per_game).tolist(), "lower": None,
+                "upper": None}
+        if not all(g.shape[1] == 1 for g in per_game):
+            rng = group_rng(out["seed"], name, "curve")
+            drawn = [g[:, rng.integers(0, g.shape[1], (CURVE_REPS, g.shape[1]))]
+                     for g in per_game]  # (steps, resamples, runs) each
+            line["lower"], line["upper"] = (list(v) for v in interval(
+                np.moveaxis(iqm(drawn), 1, 0), out["confidence"]))
+        result[name] = line
+    return result
+
+
+def profiles(per_game: dict, out: dict) -> dict:
+    """The performance profile per group on a grid of tau from 0 (or below, for scores below
+    0) to the highest score, with its interval band."""
+    everything = np.concatenate([g for games in per_game.values() for g in games])
+    top = everything.max() * 1.05 if everything.max() > 0 else 1.0
+    taus = np.linspace(min(0.0, everything.min()), top, 101)
+    result = {"tau": taus.tolist()}
+    for name, games in per_game.items():
+        line = {"share": profile(games, taus).tolist(), "lower": None, "upper": None}
+        if not all(len(g) == 1 for g in games):
+            band = profile(resample(games, group_rng(out["seed"], name, "profile"),
+                                    CURVE_REPS), taus)
+            line["lower"], line["upper"] = (list(v) for v in interval(band, out["confidence"]))
+        result[name] = line
+    return result
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
 
 
 def with_ci(value, ci) -> str:
     return fmt(value) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
 
 
-def report(result: dict, at) -> list[str]:
+def p_text(p: float) -> str:
+    return f"{p:.3f}" if p < 0.01 else f"{p:.2f}"
+
+
+def report(result: dict, budget_line: str) -> list[str]:
     """The lines the command prints."""
-    names, scales = list(result["groups"]), result["scales"]
-    where = f"at the last step logged at or before {at:,} (--at)" if at else "at each run's " \
-        "last logged step"
-    lines = [f"scores: charts/avg_episodic_return (the mean of the last 100 games) {where}"]
-    if "human-normalized" in scales:
+    names, scale = list(result["groups"]), result["scale"]
+    level = f"{100 * result['confidence']:g}%"
+    lines = [f"scores: {TAG} (the mean of the last 100 games), {budget_line}"]
+    if scale == "human-normalized":
         lines.append(f"human-normalized: (score - random) / (human - random), {TABLE}")
+    elif all(g in ATARI_57 for g in result["games"]):
+        lines.append(f"raw scores of one game; the optimality gap of its human-normalized "
+                     f"scores, (score - random) / (human - random), {TABLE}")
     elif len(result["games"]) > 1:
         lines.append("raw scores of several games pooled (not all are in the Atari-57 table): "
                      "a game with larger scores weighs more")
-    lines.append(f"intervals: 95% stratified bootstrap (runs resampled within each game), "
-                 f"{REPS:,} resamples, seed {SEED}")
+    equal = all(g["equal runs per game"] for g in result["groups"].values())
+    lines.append("games weigh equally: " + (
+        "the same runs per game, so these are rliable's figures (IQM: scipy.stats.trim_mean("
+        "x, 0.25) over all runs x games)" if equal else
+        "unequal runs per game (rliable cannot represent this): in every aggregate each game "
+        "weighs alike; in the IQM each run weighs 1 / (games x runs of its game), the middle "
+        "half of that weight kept"))
+    lines.append(f"intervals: {level} stratified-bootstrap percentile intervals (runs resampled "
+                 f"within each game), {result['reps']:,} resamples, seed {result['seed']}, one "
+                 f"generator per group")
+    flagged = []
     for name, g in result["groups"].items():
-        counts = ", ".join(f"{game} {len(s)} run{'s' * (len(s) > 1)}"
-                           for game, s in g["per game"].items())
+        counts = ", ".join(f"{game} {s['runs']}" for game, s in g["per game"].items())
         lines.append(f"\n{name}: {len(g['runs'])} run{'s' * (len(g['runs']) > 1)} of "
-                     f"{len(g['per game'])} game{'s' * (len(g['per game']) > 1)} ({counts})")
-        for run, step in zip(g["runs"], g["steps"]):
-            lines.append(f"  {run['path']}: {run['game']} {fmt(score_at(run, at)[1])} at step "
-                         f"{step:,}")
-        if len(set(g["steps"])) > 1:
-            lines.append(f"  note: these runs' scores are from different steps "
-                         f"({min(g['steps']):,} to {max(g['steps']):,}); --at STEP compares "
-                         f"them at one budget")
+                     f"{len(g['per game'])} game{'s' * (len(g['per game']) > 1)} (runs per "
+                     f"game: {counts})")
+        for run in g["runs"]:
+            env = run["env_id"] or f"{run['game']} (env id unknown; the game from {run['from']})"
+            lines.append(f"  {run['path']}: {env} {fmt(run['score'])} at step {run['step']:,}")
         for game, s in g["per game"].items():
-            if len(s) > 1:
-                lines.append(f"  {game}: mean {fmt(s.mean())} ± {fmt(s.std())} (the standard "
-                             f"deviation over runs, population: ddof 0)")
-        for scale in scales:
-            p, ci = g[scale], g[scale + " ci"] or {}
-            lines.append(f"  {scale}: mean {with_ci(p['mean'], ci.get('mean'))}, median "
-                         f"{with_ci(p['median'], ci.get('median'))}, IQM "
-                         f"{with_ci(p['iqm'], ci.get('iqm'))}")
-        fewest = min(len(s) for s in g["per game"].values())
-        if g["single"]:
+            if s["runs"] > 1:
+                lines.append(f"  {game}: mean {fmt(s['mean'])} ± {fmt(s['std'])} (the sample "
+                             f"standard deviation over {s['runs']} runs, ddof 1)")
+        ci = g["interval"] or {}
+        shown = [k for k in AGGREGATES if k in g["point"]]
+        lines.append(f"  {scale}: " + ", ".join(f"{k} {with_ci(g['point'][k], ci.get(k))}"
+                                                for k in shown))
+        fewest = min(s["runs"] for s in g["per game"].values())
+        if g["interval"] is None:
             lines.append("  one run per game: no interval can be drawn (a bootstrap of one run "
                          "is that run); these are single runs' scores, compared as they are")
-        elif fewest < 5:
-            lines.append(f"  {fewest} runs of a game: the interval resamples just these runs "
-                         f"({comb(2 * fewest - 1, fewest)} distinct resamples); it shows their "
-                         f"spread, tends to be too narrow, and cannot tell a small gain from "
-                         f"seed noise: more seeds (or games) narrow it")
+        elif fewest <= 3:
+            lines.append(f"  {fewest} runs of a game: a resample can only repeat these runs, so "
+                         f"a game's interval is [min, max] of its runs, which holds the median "
+                         f"of its scores' distribution {1 - 2 * 0.5 ** fewest:.0%} of the time, "
+                         f"not {level}: read it as these runs' spread")
+        for k in shown[:3]:  # a gap of 0 [0, 0]: every run above human, a fact
+            if ci.get(k) and ci[k][0] == ci[k][1]:
+                flagged.append(f"{name}'s {k}")
     for name in names[1:]:
-        g = result["groups"][name]
-        lines.append(f"\nP({name} > {names[0]}) = {with_ci(g['p'], g['p ci'])}: the chance that "
-                     f"a {name} run beats a {names[0]} run of the same game, mean over games"
-                     + ("" if g["p ci"] else " (one run a game in both: no interval)"))
-    scale = scales[-1] if len(result["games"]) == 1 else scales[0]
-    lines += ["", f"| group | runs | games | mean | median | IQM [95% CI] |" +
-              f" P(> {names[0]}) [95% CI] |" * (len(names) > 1),
-              "|---|---|---|---|---|---|" + "---|" * (len(names) > 1)]
+        a = result["against"][name]
+        lines.append(f"\nP({name} > {names[0]}) = {with_ci(a['P'], a['interval'])}: the chance "
+                     f"that a {name} run beats a {names[0]} run of the same game, mean over "
+                     f"games; 0.5 is no difference" + (
+                         "" if a["interval"] else " (one run a game in both: no interval)"))
+        lines.append(f"  exact permutation p = {p_text(a['p'])} (two-sided; Mann-Whitney with "
+                     f"ties, labels permuted within each game): the chance of a P at least this "
+                     f"far from 0.5 if {name} and {names[0]} did not differ")
+        if a["interval"] and a["interval"][0] == a["interval"][1]:
+            flagged.append(f"P({name} > {names[0]})")
+        if not a["power estimated"]:
+            lines.append("  seeds needed: not estimated (a game has one run in a group: no "
+                         "spread to draw from)")
+        elif a["seeds needed"] is None:
+            lines.append(f"  seeds needed: more than {POWER_RUNS} runs per group for a "
+                         f"difference of this size to give p < 0.05 in 80% of experiments")
+        else:
+            lines.append(f"  seeds needed: {a['seeds needed']} runs per group give p < 0.05 in "
+                         f"80% of {POWER_SIMS} experiments drawn from these runs (a difference "
+                         f"of this size; few runs understate the spread, so take it as a "
+                         f"lower bound)")
+    for what in flagged:
+        lines.append(f"note: {what} has a zero-width interval: every resample gives the same "
+                     f"value, which says the runs agree or are few, not that it is certain")
+    if len(names) > 1:
+        lines += ["", "per game (raw scores): runs, mean and IQM per group; P and p against "
+                  f"{names[0]}", "| game | " + " | ".join(
+                      f"{n} runs | {n} mean | {n} IQM" for n in names) + " | " + " | ".join(
+                      f"P({n} > {names[0]}) | p" for n in names[1:]) + " |",
+                  "|---|" + "---|---|---|" * len(names) + "---|---|" * (len(names) - 1)]
+        for game in result["games"]:
+            cells = [f"{s['runs']} | {fmt(s['mean'])} | {fmt(s['iqm'])}" for s in
+                     (result["groups"][n]["per game"][game] for n in names)]
+            cells += [f"{fmt(a['P'])} | {p_text(a['p'])}" for a in
+                      (result["against"][n]["per game"][game] for n in names[1:])]
+            lines.append(f"| {game} | " + " | ".join(cells) + " |")
+    gap = "optimality gap" in next(iter(result["groups"].values()))["point"]
+    lines += ["", f"| group | runs | runs per game | mean [{level} CI] | median [{level} CI] | "
+                  f"IQM [{level} CI] |" + f" optimality gap [{level} CI] |" * gap +
+              f" P(> {names[0]}) [{level} CI] | p |" * (len(names) > 1),
+              "|---|---|---|---|---|---|" + "---|" * gap + "---|---|" * (len(names) > 1)]
     for name, g in result["groups"].items():
-        p, ci = g[scale], g[scale + " ci"] or {}
-        row = (f"| {name} | {len(g['runs'])} | {len(g['per game'])} | {fmt(p['mean'])} | "
-               f"{fmt(p['median'])} | {with_ci(p['iqm'], ci.get('iqm'))} |")
+        ci = g["interval"] or {}
+        per = ", ".join(f"{s['runs']}" for s in g["per game"].values())
+        row = f"| {name} | {len(g['runs'])} | {per} | " + " | ".join(
+            with_ci(g["point"][k], ci.get(k)) for k in AGGREGATES[:3 + gap]) + " |"
         if len(names) > 1:
-            row += " |" if name == names[0] else f" {with_ci(g['p'], g['p ci'])} |"
+            a = result["against"].get(name)
+            row += " | |" if a is None else f" {with_ci(a['P'], a['interval'])} | {p_text(a['p'])} |"
         lines.append(row)
-    lines.append(f"({scale} scores)")
+    lines.append(f"({scale} scores; runs per game in the order {', '.join(result['games'])})")
     return lines
 
 
-def plot(groups: dict, result: dict, at, out: str):
-    """IQM over steps with its interval band per group, and the performance profile."""
+def plot(result: dict, out: str):
+    """The IQM over steps with its band per group, and the performance profile."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise Bad("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    normalize, rng = result["scales"][0] != "raw", np.random.default_rng(SEED)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    everything = [r for runs in groups.values() for r in runs]
-    start = max(r["steps"][0] for r in everything)
-    end = min([r["steps"][-1] for r in everything] + ([at] if at else []))
-    grid = np.linspace(start, end, 60)
-    for name, runs in groups.items():
-        curves = {}
-        for run in runs:
-            index = np.searchsorted(run["steps"], grid, side="right") - 1
-            value = run["values"][index]
-            if normalize:
-                random, human = ATARI_57[run["game"]]
-                value = (value - random) / (human - random)
-            curves.setdefault(run["game"], []).append(value)
-        per_game = [np.array(c).T for c in curves.values()]  # (steps, runs) each
-        line = iqm(np.concatenate(per_game, axis=-1))
-        (drawn,) = left.plot(grid, line, label=name)
-        if not result["groups"][name]["single"]:
-            draws = iqm(np.concatenate([g[:, rng.integers(0, g.shape[1], (500, g.shape[1]))]
-                                        for g in per_game], axis=-1))  # (steps, 500)
-            left.fill_between(grid, *np.percentile(draws, [2.5, 97.5], axis=1), alpha=0.25,
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    unit = "human-normalized score" if result["scale"] != "raw" else "score"
+    fewest = min(s["runs"] for g in result["groups"].values() for s in g["per game"].values())
+    for name, line in result["curves"].items():
+        label = f"{name} ({len(result['groups'][name]['runs'])} runs)"
+        (drawn,) = left.plot(line["steps"], line["iqm"], label=label)
+        if line["lower"]:
+            left.fill_between(line["steps"], line["lower"], line["upper"], alpha=0.25,
                               color=drawn.get_color())
-    unit = "human-normalized score" if normalize else "score"
-    left.set(xlabel="agent steps", ylabel=f"IQM of the {unit}", title=f"IQM over steps "
-             f"({start:,.0f} to {end:,.0f}), 95% bootstrap band")
-    left.legend()
-    scores = {n: g[result["scales"][0] + " scores"] for n, g in result["groups"].items()}
-    allscores = np.concatenate([s for per_game in scores.values() for s in per_game])
-    margin = 0.05 * (allscores.max() - allscores.min() or 1.0)
-    taus = np.linspace(allscores.min() - margin, allscores.max() + margin, 200)
-    for name, per_game in scores.items():
-        (drawn,) = right.plot(taus, profile(per_game, taus), label=name)
-        if not result["groups"][name]["single"]:
-            band = profile(resample(per_game, rng, 500), taus)
-            right.fill_between(taus, *np.percentile(band, [2.5, 97.5], axis=0), alpha=0.25,
-                               color=drawn.get_color())
+        band = result["profile"][name]
+        (drawn,) = right.plot(result["profile"]["tau"], band["share"], label=label)
+        if band["lower"]:
+            right.fill_between(result["profile"]["tau"], band["lower"], band["upper"],
+                               alpha=0.25, color=drawn.get_color())
+    level = f"{100 * result['confidence']:g}%"
+    note = (f"\nbands of {fewest} runs a game: their spread ([min, max]), not a {level} interval"
+            if fewest <= 3 else "")
+    left.set(xlabel="agent steps", ylabel=f"IQM of the {unit}",
+             title=f"IQM over steps, {level} bootstrap band{note}")
     right.set(xlabel=f"{unit} tau", ylabel="share of runs scoring above tau",
-              title="performance profile" + (f" at step {at:,}" if at else " (each run's last "
-                                                                          "step)"))
-    right.legend()
+              title=("performance profile at step " + f"{result['budget']:,}" if result["budget"]
+                     else "performance profile at each run's last step") + note)
+    right.set_xlim(left=result["profile"]["tau"][0])
+    for ax in (left, right):
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 
 
+def step_count(text: str) -> int:
+    """--at: a whole number of steps, in any notation Python reads (2000000, 2e6, 2_000_000)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps (as in 2000000 or "
+                                         f"2e6)")
+    if not math.isfinite(value) or value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of steps")
+    return int(value)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("groups", nargs="+", metavar="NAME=PATHS")
-    parser.add_argument("--at", type=int, help="compare at this step (each run's last logged "
-                        "step at or before it)")
+    parser.add_argument("--at", type=step_count, help="compare every run at this step (its "
+                        "last score at or before it), as in 2e6")
+    parser.add_argument("--game", help="the game of runs with no env id and no game in their "
+                        "name (Breakout, or an env id)")
+    parser.add_argument("--reps", type=int, default=10_000, help="bootstrap resamples")
+    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
+    parser.add_argument("--confidence", type=float, default=0.95, help="the intervals' level")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--plot", metavar="OUT.png")
     args = parser.parse_args(argv)
     try:
-        if args.at is not None and args.at <= 0:
-            raise Bad(f"--at must be a positive step, got {args.at}")
-        groups = read_groups(args.groups)
-        result = compare(groups, args.at)
-        print("\n".join(report(result, args.at)))
+        if args.reps < 100:
+            raise Bad(f"--reps {args.reps}: a percentile interval needs at least 100 resamples "
+                      f"(rliable uses 50,000)")
+        if not 0 < args.confidence < 1:
+            raise Bad(f"--confidence {args.confidence} is not between 0 and 1 (as in 0.95)")
+        groups = read_groups(args.groups, args.game)
+        at, budget_line = choose_budget(groups, args.at)
+        result = compare(groups, at, args.reps, args.seed, args.confidence)
+        print("\n".join(report(result, budget_line)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"budget line": budget_line, **result}, f, indent=1)
+            print(f"wrote {args.json}")
         if args.plot:
-            plot(groups, result, args.at, args.plot)
+            plot(result, args.plot)
     except Bad as e:
         print(f"compare_runs.py: {e}", file=sys.stderr)
         raise SystemExit(2)

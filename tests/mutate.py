@@ -5,6 +5,7 @@ breaks?
     python tests/mutate.py --only entropy  # the details whose name contains "entropy"
     python tests/mutate.py --script ~/my-experiment/ppo_atari.py   # against a fork
     python tests/mutate.py --control       # the unbroken file through the runner's own path
+    python tests/mutate.py --compare-runs  # tests/compare_runs.py's details, by its own tests
 (--only on the repository's file skips the control; a full run and a fork's run start with it)
 
 For each (detail, fragment of the file, broken replacement) below it copies the repository (what
@@ -420,6 +421,58 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
 ]
 
 
+COMPARE_RUNS = [  # (detail, fragment of tests/compare_runs.py, broken replacement)
+    ("a 95% interval from the 2.5% and 97.5% percentiles",
+     "    tail = 100 * (1 - confidence) / 2\n", "    tail = 25.0\n"),
+    ("every resample counted (not 20)", "    draws = aggregates(resample(per_game, rng, reps), bounds)",
+     "    draws = aggregates(resample(per_game, rng, 20), bounds)"),
+    ("P's interval resamples the baseline too",
+     "improvement(resample(xs, rng, reps), resample(ys, rng, reps))",
+     "improvement(resample(xs, rng, reps), [g[None] for g in ys])"),
+    ("unequal runs per game: games weigh equally in the IQM",
+     "    if equal_counts(per_game):\n        cut = n // 4", "    if True:\n        cut = n // 4"),
+    ("the game from any word of the name, not the first",
+     '        named = games_named(re.sub(r"\\.csv$", "", part))',
+     '        named = games_named(re.split(r"[-_.]", part)[0])'),
+    ("rliable's IQM: trim_mean's floor(n / 4) cut", "        cut = n // 4\n",
+     "        cut = round(n / 4)\n"),
+    ("the exact p-value two-sided",
+     "    far = np.abs(np.arange(len(total)) - centre) >= abs(observed - centre) - 1e-9",
+     "    far = np.arange(len(total)) - centre >= abs(observed - centre) - 1e-9"),
+    ("one budget across groups", "    common = min(last.values())", "    common = max(last.values())"),
+    ("v4 and v5 refused together", "        if len(found) > 1:", "        if len(found) > 9:"),
+    ("the sample standard deviation", '"std": float(raw[g].std(ddof=1))',
+     '"std": float(raw[g].std(ddof=0))'),
+]
+
+
+def compare_runs_details(timeout) -> list:
+    """Each COMPARE_RUNS detail broken in a copy of the repository, test_compare_runs.py run."""
+    tool = open(os.path.join(ROOT, "tests", "compare_runs.py")).read()
+    results = []
+    for detail, fragment, replacement in [("(control: unbroken)", "", "")] + COMPARE_RUNS:
+        if fragment and tool.count(fragment) != 1:
+            print(f"GONE    {detail}", flush=True)
+            results.append(False)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            copy_repository(tmp, open(os.path.join(ROOT, "ppo_atari.py")).read())
+            with open(os.path.join(tmp, "tests", "compare_runs.py"), "w") as f:
+                f.write(tool.replace(fragment, replacement) if fragment else tool)
+            start = time.time()
+            out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                                  "no:cacheprovider", "tests/test_compare_runs.py"], cwd=tmp,
+                                 capture_output=True, text=True, timeout=timeout)
+        failed = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("FAILED ")]
+        caught = out.returncode == 1 and bool(failed)
+        word = ("PASSED" if out.returncode == 0 else "FAILED") if not fragment else \
+            "CAUGHT" if caught else "MISSED"
+        print(f"{word:7} {detail:55} {time.time() - start:4.0f} s  {' '.join(failed[:1])}",
+              flush=True)
+        results.append(out.returncode == 0 if not fragment else caught)
+    return results
+
+
 def copy_repository(tmp: str, source: str) -> str:
     """The repository as the suite reads it, in tmp, with source as its ppo_atari.py."""
     shutil.copytree(ROOT, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
@@ -483,7 +536,13 @@ def main():
                         help="the copy of ppo_atari.py to break (default: the repository's)")
     parser.add_argument("--control", action="store_true",
                         help="only the control: the unbroken copy through the runner's path")
+    parser.add_argument("--compare-runs", action="store_true",
+                        help="break tests/compare_runs.py instead, detail by detail")
     a = parser.parse_args()
+    if a.compare_runs:
+        results = compare_runs_details(a.timeout)
+        print(f"{sum(results[1:])} of {len(results) - 1} details caught")
+        return 0 if all(results) else 1
     source = open(a.script).read()
     files = [f for f in ORDER if os.path.exists(os.path.join(ROOT, "tests", f))]
     files += sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_")

@@ -14,7 +14,8 @@ checkpoint are purged) or from a CSV file this script exported. The CSV files ho
 25 iterations, the last iteration before each budget below, and the last one: step,
 avg_return_last100, games (the games finished by then), training_seconds (the sum of the
 iterations' rollout and update times so far: the run's compute time, without start-ups or the
-time it was stopped); each
+time it was stopped), and the run's env_id and total_timesteps (its checkpoint's, else its
+logged hyperparameters'; tests/compare_runs.py takes the game and the plan from them); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv;
 a suffix after the seed, as in breakout-10M-seed1-unfinished-9.6M.csv, keeps the seed). The mean
 over seeds takes one run per seed: pass one file per seed.
@@ -24,12 +25,12 @@ its source: CleanRL's ppo_atari.py docs figures (values read off the plotted cur
 rl-zoo's PPO monitor files (DLR-RM/rl-trained-agents, the mean of the last 100 training games,
 one seed), both runs planned for 10M steps, as ours are; at 10M, the 3-seed means of CleanRL's
 ppo_atari.py and of baselines ppo2 (shared/REFERENCES.md). Prints our values at each budget and,
-with several seeds of a game, their mean and standard deviation.
+with several seeds of a game, their mean and sample standard deviation (ddof 1).
 
 Scored games: --scores takes a run's eval/ folder (one sub-folder per --eval-checkpoint call,
 named after the id when it is not the training one: ALE-Breakout-v5-step...) and --export writes
 its games to {run}-scores.csv (evaluation, game, score); --csv reads such a file back and prints
-each evaluation's mean ± std over its games.
+each evaluation's mean ± sample std (ddof 1) over its games.
 """
 import argparse
 import csv
@@ -41,7 +42,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import scalars  # noqa: E402
+from compare_runs import Bad, run_settings, scalars  # noqa: E402
 
 BUDGETS = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000]
 PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
@@ -65,6 +66,7 @@ SPREAD = {"CleanRL ppo_atari.py, 3 seeds": {"Pong": 0.20, "Breakout": 28.09},  #
           "baselines ppo2, 3 seeds": {"Pong": 0.50, "Breakout": 31.55}}  # 3 seeds, as published
 RANDOM = {"Pong": -20.7, "Breakout": 1.7}  # Mnih et al. 2015
 COLUMNS = ["step", "avg_return_last100", "games", "training_seconds"]
+SETTINGS = ["env_id", "total_timesteps"]  # the run's, on every row (compare_runs.py reads them)
 SCORE_COLUMNS = ["evaluation", "game", "score"]
 EVERY = 25  # iterations per CSV row
 
@@ -91,10 +93,12 @@ def export(run: str, folder: str) -> str:
     keep = sorted(keep)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{os.path.basename(run.rstrip('/'))}.csv")
+    settings = run_settings(run)
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(COLUMNS)
-        out.writerows([int(r[0]), f"{r[1]:.3f}", int(r[2]), f"{r[3]:.0f}"] for r in rows[keep])
+        out.writerow(COLUMNS + SETTINGS)
+        out.writerows([int(r[0]), f"{r[1]:.3f}", int(r[2]), f"{r[3]:.0f}",
+                       *(settings.get(k, "") for k in SETTINGS)] for r in rows[keep])
     return path
 
 
@@ -127,7 +131,9 @@ def read_csv(path: str):
     if rows[0][:2] != COLUMNS[:2]:
         sys.exit(f"{path}: not a curve or scores file (its header is {rows[0]}, expected "
                  f"{COLUMNS} or {SCORE_COLUMNS})")
-    return np.array([[float(x) for x in r] for r in rows[1:]]).reshape(-1, len(rows[0]))
+    numeric = [c for c in rows[0] if c not in SETTINGS]  # the env id is a word
+    return np.array([[float(x) for c, x in zip(rows[0], r) if c in numeric]
+                     for r in rows[1:]]).reshape(-1, len(numeric))
 
 
 def at(curve: np.ndarray, budget: int):
@@ -142,10 +148,11 @@ def at(curve: np.ndarray, budget: int):
 
 
 def game_of(name: str) -> str:
+    """The game of PUBLISHED a run's name starts with ("-": none; its curve has no panel)."""
     for game in PUBLISHED:
         if name.lower().startswith(game.lower()):
             return game
-    sys.exit(f"{name}: the name does not start with a game of {list(PUBLISHED)}")
+    return "-"
 
 
 def main():
@@ -179,7 +186,7 @@ def main():
         print("| evaluation | games | mean ± std |\n|---|---|---|")
         for evaluation, scores in scored.items():
             print(f"| {evaluation} | {len(scores)} | "
-                  f"{np.mean(scores):.2f} ± {np.std(scores):.2f} |")
+                  f"{np.mean(scores):.2f} ± {np.std(scores, ddof=1):.2f} |")
     budgets = [b for b in BUDGETS if b <= a.until]
     if curves:
         print("| game | run | last step | " + " | ".join(f"{b / 1e6:g}M" for b in budgets) +
@@ -203,7 +210,7 @@ def main():
             group = [cells[n] for n in members]
             if len(group) > 1:
                 columns = [[g[i] for g in group] for i in range(len(budgets))]
-                means = [None if None in c else f"{np.mean(c):.1f} ± {np.std(c):.1f}"
+                means = [None if None in c else f"{np.mean(c):.1f} ± {np.std(c, ddof=1):.1f}"
                          for c in columns]
                 print(f"| {game} | {plan}, mean ± std of {len(group)} | | " +
                       " | ".join(m or "-" for m in means) + " |")
@@ -271,4 +278,7 @@ def plot(curves: dict, out: str, until: int):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Bad as e:  # a corrupt events file or checkpoint: one line
+        sys.exit(f"plot_curves.py: {e}")

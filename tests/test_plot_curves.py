@@ -31,8 +31,8 @@ def test_budget_value_is_the_last_row_at_or_before_it_and_seeds_are_averaged(tmp
                      (1_999_872, final, 5000, 4000), (2_000_896, 99.0, 5001, 4002)])
     out = table(*sorted(tmp_path.glob("*.csv")))
     assert "| Breakout | breakout-10M-seed2 | 2,000,896 | 7.0 | 12.0 | 22.0 | 65.0 |" in out
-    mean = f"{np.mean(list(finals.values())):.1f} ± {np.std(list(finals.values())):.1f}"
-    assert f"mean ± std of 3 | | 7.0 ± 0.8 | 12.0 ± 0.0 | 22.0 ± 0.8 | {mean} |" in out
+    mean = f"{np.mean(list(finals.values())):.1f} ± {np.std(list(finals.values()), ddof=1):.1f}"
+    assert f"mean ± std of 3 | | 7.0 ± 1.0 | 12.0 ± 0.0 | 22.0 ± 1.0 | {mean} |" in out
 
 
 def test_a_seed_with_two_runs_gives_no_mean(tmp_path):
@@ -80,8 +80,8 @@ def test_scored_games_are_exported_from_the_eval_events_and_averaged(tmp_path):
         "evaluation,game,score", "ALE-Breakout-v5-step2048-seed1-2,1,5",
         "ALE-Breakout-v5-step2048-seed1-2,2,7"]
     out = table(path)
-    assert "| step2048-seed1-1 | 3 | 20.00 ± 8.16 |" in out, out
-    assert "| ALE-Breakout-v5-step2048-seed1-2 | 2 | 6.00 ± 1.00 |" in out, out
+    assert "| step2048-seed1-1 | 3 | 20.00 ± 10.00 |" in out, out
+    assert "| ALE-Breakout-v5-step2048-seed1-2 | 2 | 6.00 ± 1.41 |" in out, out
 
 
 def test_a_figure_without_matplotlib_is_one_line_not_a_traceback(tmp_path):
