@@ -320,11 +320,10 @@ def run_settings(path: str) -> dict:
 
 def read_folder(path: str) -> dict:
     """A run folder: its curve (TensorBoard's view), its env id and its plan."""
-    logged = scalars(path)
+    logged, settings = scalars(path), run_settings(path)
     if not logged.get(TAG):
         last = max((s for tag in logged.values() for s, _ in tag), default=0)
         raise Bad(f"{path} finished no game by step {last:,}: it has no {TAG}")
-    settings = run_settings(path)
     steps, values = zip(*logged[TAG])
     return {"path": path, "steps": np.array(steps), "values": np.array(values),
             "env_id": settings.get("env_id"), "from": settings["from"],
@@ -731,8 +730,7 @@ def plot(result: dict, out: str):
             right.fill_between(result["profile"]["tau"], band["lower"], band["upper"],
                                alpha=0.25, color=drawn.get_color())
     level = f"{100 * result['confidence']:g}%"
-    note = (f"\nbands of {fewest} runs a game: their spread ([min, max]), not a {level} interval"
-            if fewest <= 3 else "")
+    note = f"\n{fewest} runs a game: bands span their min to max" if fewest <= 3 else ""
     left.set(xlabel="agent steps", ylabel=f"IQM of the {unit}",
              title=f"IQM over steps, {level} bootstrap band{note}")
     right.set(xlabel=f"{unit} tau", ylabel="share of runs scoring above tau",

@@ -49,6 +49,16 @@ def tool(*args, cwd=TESTS):
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+def tool_here(*args) -> str:
+    """The command run in this process (torch already imported): its stdout; it must succeed."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        C.main(list(args))
+    return out.getvalue()
+
+
 def write_run(path, rows, env_id="BreakoutNoFrameskip-v4", plan=10_000_000):
     """A CSV as tests/plot_curves.py exports it: rows of (step, score)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -296,7 +306,8 @@ def test_the_tool_reads_run_folders_a_crashed_and_resumed_one_and_their_exports(
     above 100 with no checkpoint after iteration 2; resumed, that iteration's events are purged
     and logged anew. The tool prints each run's env id (its checkpoint's) and last mean of 100
     games, and at --at 192 b-4's resumed one, as TensorBoard shows them; the runs' CSV exports
-    carry the env id and compare the same."""
+    carry the env id and compare the same; without its checkpoint a folder's env id is its
+    logged hyperparameters'."""
     need("main")
     monkeypatch.setattr(P, "make_envs", lambda args, seed, *a, **kw: stand_in_envs(
         Rich, args.num_envs))
@@ -329,25 +340,29 @@ def test_the_tool_reads_run_folders_a_crashed_and_resumed_one_and_their_exports(
     crashed = [v for s, v in scalars("runs/b-4", raw=True)[C.TAG] if s == 192]
     assert len(crashed) == 2 and crashed[0] > 100 > crashed[1], crashed  # both on disk
 
-    out = tool("a=runs/a-*", "b=runs/b-*", cwd=workdir)
-    assert out.returncode == 0, out.stderr
-    assert "every run finished its plan of 256 steps" in out.stdout, out.stdout
+    out = tool_here("a=runs/a-*", "b=runs/b-*")
+    assert "every run finished its plan of 256 steps" in out, out
     lines = {}
     for run in ("a-1", "a-2", "b-3", "b-4"):
         last = scalars(f"runs/{run}")[C.TAG][-1]
         lines[run] = f"  runs/{run}: Truncating {C.fmt(last[1])} at step {last[0]:,}"
-        assert lines[run] in out.stdout, (run, last, out.stdout)
-    assert "P(b > a) = " in out.stdout and "| b | 2 | 2 |" in out.stdout, out.stdout
-    at = tool("a=runs/a-*", "b=runs/b-*", "--at", "192", cwd=workdir)
-    assert f"  runs/b-4: Truncating {C.fmt(crashed[1])} at step 192" in at.stdout, at.stdout
+        assert lines[run] in out, (run, last, out)
+    assert "P(b > a) = " in out and "| b | 2 | 2 |" in out, out
+    at = tool_here("a=runs/a-*", "b=runs/b-*", "--at", "192")
+    assert f"  runs/b-4: Truncating {C.fmt(crashed[1])} at step 192" in at, at
     export = subprocess.run([sys.executable, os.path.join(TESTS, "plot_curves.py"), "--runs",
                              "runs", "--export", "csv"], cwd=workdir, capture_output=True,
                             text=True, timeout=120)
     assert export.returncode == 0, export.stderr
-    out = tool("a=csv/a-*", "b=csv/b-*", cwd=workdir)
+    out = tool("a=csv/a-*", "b=csv/b-*", cwd=workdir)  # the command as a user runs it
     assert out.returncode == 0, out.stderr
     for run, line in lines.items():
         assert line.replace(f"runs/{run}", f"csv/{run}.csv") in out.stdout, (line, out.stdout)
+    shutil.copytree("runs/a-1", "bare/a-1")  # no checkpoint: the logged hyperparameters
+    os.remove("bare/a-1/checkpoint.pt")
+    tool_here("a=bare/a-1", "--json", "bare.json")
+    (run,) = json.load(open(workdir / "bare.json"))["groups"]["a"]["runs"]
+    assert (run["env_id"], run["from"]) == ("Truncating", "logged hyperparameters"), run
 
 
 def test_the_committed_breakout_seeds_at_2m_as_rliable_gives_them():
@@ -429,11 +444,9 @@ def test_bad_input_is_one_line_naming_the_file_and_the_row_and_exit_2(workdir):
     (workdir / "pong.csv").write_text(header + good.replace("Breakout", "Pong"))
     out = run_in_process([*TINY, "--total-timesteps", "64", "--run-name", "short"], workdir)
     assert out.returncode == 0, out.stderr
-    out = run_in_process([*TINY, "--total-timesteps", "640", "--run-name", "ok"], workdir)
-    assert out.returncode == 0, out.stderr
-    shutil.copytree(workdir / "runs" / "ok", workdir / "broken-ckpt")
+    shutil.copytree(workdir / "runs" / "short", workdir / "broken-ckpt")
     (workdir / "broken-ckpt" / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    shutil.copytree(workdir / "runs" / "ok", workdir / "broken-events")
+    shutil.copytree(workdir / "runs" / "short", workdir / "broken-events")
     (events,) = (workdir / "broken-events").glob("events.out.tfevents.*")
     data = bytearray(events.read_bytes())
     data[len(data) // 2] ^= 0xFF

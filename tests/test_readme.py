@@ -109,7 +109,7 @@ def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
     ours = [label for label in shown if label.startswith(("ours", "the same agent"))]
     assert sorted(ours) == sorted([*label.values(), "ours, seed 1 (one seed)", "ours, seed 2",
                                    "ours, seed 3", "ours, mean ± std of 3 seeds",
-                                   "ours, IQM [95% bootstrap CI] of 3 seeds"]), ours
+                                   "ours, IQM of 3 seeds [bootstrap interval: min, max]"]), ours
     for evaluation, (games, score) in scored.items():
         name = label[evaluation[:3].replace("ste", "step")]
         assert games == "30" and shown[name][3] == score, (name, games, score, shown[name])
@@ -121,7 +121,7 @@ def test_the_iqm_row_is_what_compare_runs_prints_from_the_committed_seeds(tmp_pa
     shown = rows(what_to_expect())
     printed = printed_by_readme(tmp_path, "compare_runs.py")
     assert len(printed) == 3, "one compare_runs.py command per budget: 0.5M, 1M, 2M"
-    for out, iqm, mean in zip(printed, shown["ours, IQM [95% bootstrap CI] of 3 seeds"],
+    for out, iqm, mean in zip(printed, shown["ours, IQM of 3 seeds [bootstrap interval: min, max]"],
                               shown["ours, mean ± std of 3 seeds"]):
         (table_row,) = [r for r in out.splitlines() if r.startswith("| ours |")]
         assert table_row.split(" | ")[5].rstrip(" |") == iqm, (table_row, iqm)
