@@ -15,7 +15,9 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import gc
+import glob
 import importlib.util
 import multiprocessing.resource_tracker
 import os
@@ -48,7 +50,7 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every
 
 
 # What a resume may change (not the network, game or optimisation so far); LAUNCH_ONLY: unsaved
-LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads"}
+LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads", "runs_dir"}
 RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
                                     "wandb_project_name", "wandb_entity", "capture_video",
                                     "compile", "env_backend", "run_name", "dist_timeout"}
@@ -117,7 +119,9 @@ class Args:
 
     # the file's own: run management, speed, torchrun
     run_name: str | None = None
-    """the run folder runs/RUN_NAME, which the same command continues; None: a new dated name"""
+    """the run folder RUNS_DIR/RUN_NAME, which the same command continues; None: a new dated name"""
+    runs_dir: str = "runs"
+    """where run folders are made (a job script pins it whatever directory it starts in)"""
     resume: Annotated[str | None, tyro.conf.arg(help=RESUME_HELP)] = None
     """a run folder or checkpoint to continue (--help lists what it may change)"""
     stop_at_step: int | None = None
@@ -564,7 +568,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
 
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
-    run_dir = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name)  # resolve_run's
+    run_dir = ckpt["run_dir"] if ckpt else os.path.join(args.runs_dir, args.run_name)
     # rank 0 alone records videos, logs and checkpoints (under torchrun)
     video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
     env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
@@ -889,7 +893,27 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
         dist.broadcast_object_list(box, src=0)
     if not isinstance(box[0], tuple):
         raise SystemExit(box[0])
+    if box[0][0] is not None:
+        check_one_folder(*box[0], rank, world_size)
     return box[0]
+
+
+def check_one_folder(args: Args, ckpt: dict | None, rank: int, world_size: int):
+    """Every rank looks for the run's checkpoint: one seeing a checkpoint rank 0 does not, or a
+    newer one, means node-local runs/ (rank 0 would start over or go back): all stop."""
+    where = args.resume or os.path.join(args.runs_dir, args.run_name)
+    path = where if os.path.isfile(where) else os.path.join(where, "checkpoint.pt")
+    step = ckpt["global_step"] if ckpt and rank == 0 else None
+    if rank != 0 and os.path.isfile(path):
+        step = torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (socket.gethostname(), step))
+    first_host, first = seen[0]
+    for r, (host, s) in enumerate(seen):
+        if s is not None and (first is None or s > first):
+            fail(f"rank {r} on {host} sees {path} at step {s:,} and rank 0 on {first_host} "
+                 + ("none" if first is None else f"step {first:,}") + ": runs/ must be on a "
+                 f"filesystem every node sees (a shared --runs-dir)")
 
 
 def map_tensors(obj, fn, is_leaf=torch.is_tensor):
@@ -916,12 +940,14 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def write_atomically(path: str, state: dict):
-    """Via a temporary file, fsynced and renamed: a crash leaves one whole file; CPU tensors."""
-    with open(path + ".tmp", "wb") as f:
+    """Via a temporary file of this process's, fsynced and renamed: a crash leaves one whole
+    file, and two writers never mix bytes; CPU tensors."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as f:
         torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    os.replace(temporary, path)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1076,7 +1102,8 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
               carry: dict):
     """Rank 0: says where the run goes, writes a new run's checkpoint first, opens the writer."""
     shown = shown_path(run_dir)
-    print(f"run folder: {shown}; watch it with: tensorboard --logdir {shown}", flush=True)
+    print(f"run folder: {os.path.abspath(run_dir)} ({'new' if ckpt is None else 'continued'}); "
+          f"watch it with: tensorboard --logdir {shown}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
     if ckpt is None:
         save_checkpoint(run_dir, agent, optimizer, env_state, args, 0, 0, [], carry)
@@ -1185,36 +1212,44 @@ def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
 
 
 def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """(args, None): a new run; (args with this launch's overrides, checkpoint); (None, None)."""
+    """(args, None): a new run; (args with this launch's overrides, checkpoint); (None, None).
+    The run folder is locked (lock_run) before anything is decided about it."""
     name, new = args.run_name, args.resume is None and args.run_name is None
-    if new:  # a dated name; under torchrun, the job's first start's, which a restart continues
+    store = torchrun_store(args.dist_timeout) if new else None
+    if new:  # a dated name; under torchrun, a restart continues its job's first start's folder
         name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        if store := torchrun_store(args.dist_timeout):
-            name, new = store.compare_set("ppo_atari/run_name", "", name).decode(), False
+        if store is not None and store.check(["ppo_atari/run_name"]):
+            name, new = store.get("ppo_atari/run_name").decode(), False
         args = dataclasses.replace(args, run_name=name)
     if args.resume is None:  # every run writes its checkpoint first
-        folder = os.path.join("runs", name)
+        folder = os.path.join(args.runs_dir, name)
         if not name or name.startswith(".") or "/" in name or os.sep in name:
             fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
+        if not new:
+            lock_run(folder)
         if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
             args = dataclasses.replace(args, resume=folder)
-        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {  # (a first
-                "agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)
+        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt"}:
             fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
                  f"to continue; pick another --run-name or remove the folder")
     if args.resume is None:
         check_args(args, world_size)
-        if new:  # a dated name: a folder of its own, made here
-            args = dataclasses.replace(args, run_name=own_folder("runs", name))
+        if new:  # a dated name: a folder of its own, made here (name__2 if taken)
+            args = dataclasses.replace(args, run_name=own_folder(args.runs_dir, name))
+            lock_run(os.path.join(args.runs_dir, args.run_name))
+            if store is not None:  # what a restart of this job continues
+                store.set("ppo_atari/run_name", args.run_name)
         return args, None
+    if os.path.exists(args.resume):
+        lock_run(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume))
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
         fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
     if "run_name" in explicit and name != (folder := os.path.basename(ckpt["run_dir"])):
         fail(f"--run-name {name} is not the run --resume {args.resume} continues ({folder}): "
              f"a resumed run keeps its folder; drop --run-name")
-    known = {f.name for f in dataclasses.fields(Args)}
-    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in known})
+    check_newest(args.resume, ckpt)
+    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in same_fields(args.resume, ckpt)})
     for name in sorted(explicit - RESUME_OVERRIDABLE):
         if getattr(args, name) != getattr(saved, name):
             fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
@@ -1223,6 +1258,74 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
     args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
     check_args(args, world_size)
     return (None, None) if resume_plan(args, saved, ckpt, world_size) else (args, ckpt)
+
+
+def same_fields(path: str, ckpt: dict) -> set[str]:
+    """The Args fields a checkpoint and this file share; refused if its file had fields this one
+    lacks (a fork's, a rename: their settings would be lost); this file's new ones: defaults."""
+    ours = {f.name for f in dataclasses.fields(Args)} - LAUNCH_ONLY
+    theirs = set(ckpt["args"]) - LAUNCH_ONLY
+
+    def flags(names):
+        return ", ".join(f"--{n.replace('_', '-')}" for n in sorted(names))
+    if theirs - ours:
+        fail(f"{path} was written by another version of this file, whose Args has "
+             f"{flags(theirs - ours)}, which this file lacks" + (
+                 f" (it has {flags(ours - theirs)} instead)" if ours - theirs else "") +
+             "; their settings would be lost: continue it with the file that wrote it")
+    if ours - theirs:
+        print(f"note: {path} was written by a file without " + ", ".join(
+            f"--{n.replace('_', '-')} (continued with its default, {getattr(Args(), n)!r})"
+            for n in sorted(ours - theirs)), flush=True)
+    return ours & theirs
+
+
+def check_newest(path: str, ckpt: dict):
+    """Refuses to continue an older snapshot over its folder's checkpoint.pt further along."""
+    newest = os.path.join(ckpt["run_dir"], "checkpoint.pt")
+    given = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if os.path.isfile(newest) and not os.path.samefile(newest, given):
+        step = load_checkpoint(newest)["global_step"]
+        if step > ckpt["global_step"]:
+            fail(f"{path} holds step {ckpt['global_step']:,} but {shown_path(newest)} is further "
+                 f"along (step {step:,}), and continuing would replace it; to go back on "
+                 f"purpose, move that file aside first (mv {shown_path(newest)} "
+                 f"{shown_path(newest)[:-3]}-{step}.pt)")
+
+
+RUN_LOCKS = {}  # run folder: the open lock file this process holds (rank 0), until main returns
+
+
+def lock_run(folder: str):
+    """One writer a run folder: a lock on runs/.NAME.lock, freed at any exit (kill -9 too), or
+    a refusal naming its holder; then the temporary files of a dead writer are removed."""
+    folder = os.path.abspath(folder)
+    if folder in RUN_LOCKS:
+        return
+    parent, name = os.path.split(folder)
+    os.makedirs(parent, exist_ok=True)
+    lock = open(os.path.join(parent, f".{name}.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        fail(f"{shown_path(folder)} is in use: {holder} holds its lock; wait for it to end (the "
+             f"same command then continues the run), stop it, or pick another --run-name")
+    except OSError as e:  # an NFS mount without locking: ENOLCK
+        lock.close()
+        print(f"note: {shown_path(parent)} cannot lock files ({e.strerror}): nothing stops a "
+              f"second launch of {name} from writing it too", flush=True)
+        return
+    job = os.environ.get("SLURM_JOB_ID")
+    lock.truncate(0)  # the holder, for a refused launch to name
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f" (SLURM job {job})" if job
+                                                                  else ""))
+    lock.flush()
+    RUN_LOCKS[folder] = lock
+    for stale in glob.glob(os.path.join(folder, "*.pt.*tmp")):  # a killed writer's
+        os.remove(stale)
 
 
 def catch_stop_signals():
@@ -1342,6 +1445,8 @@ def main(args: Args, explicit: set[str] | None = None):
         return train(args, ckpt, device, signals, rank, world_size)
     finally:
         release()
+        while RUN_LOCKS:  # (main in a test's process: the next main may lock the folder)
+            RUN_LOCKS.popitem()[1].close()
         for module, name, call in cuda_calls:
             setattr(module, name, call)
 

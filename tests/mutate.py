@@ -35,7 +35,7 @@ NOT_DETAILS = ["test_readme.py", "test_plot_curves.py", "test_measuring.py",  # 
                "test_compare_runs.py"]
 ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_devices.py",
          "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
-         "test_preemption.py", "test_distributed.py"]
+         "test_run_folders.py", "test_preemption.py", "test_distributed.py"]
 
 INSTANT = "test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes"
 DEFAULTS = "test_details.py::test_args_defaults_are_the_published_hyperparameters"
@@ -206,8 +206,8 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "flat = torch.cat([g.reshape(-1) for g in grads])",
      "test_distributed.py::test_ranks_play_apart_and_average_their_gradients"),
     ("a partial first checkpoint starts again",
-     '"agent.pt", "agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)',
-     '"agent.pt.tmp", "checkpoint.pt.tmp"}:  # checkpoint cut short)', INSTANT),
+     'elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt"}:',
+     'elif not new and os.path.isdir(folder) and set(os.listdir(folder)):', INSTANT),
     ("agent.pt before checkpoint.pt",  # swapped: agent.pt after the checkpoint
      '    write_atomically(os.path.join(run_dir, "agent.pt"), state)\n'
      '    write_atomically(os.path.join(run_dir, "checkpoint.pt"), state | {',
@@ -361,7 +361,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_entry_points.py::test_a_stop_during_evaluation_prints_the_games_played_and_exits_"
      "quietly"),
     ("a torchrun restart continues its job's run",
-     '            name, new = store.compare_set("ppo_atari/run_name", "", name).decode(), False',
+     '            name, new = store.get("ppo_atari/run_name").decode(), False',
      "            new = True",
      "test_entry_points.py::test_a_torchrun_restart_without_a_run_name_continues_its_run"),
     ("--resume under another --run-name refused",
@@ -443,6 +443,37 @@ COMPARE_RUNS = [  # (detail, fragment of tests/compare_runs.py, broken replaceme
     ("v4 and v5 refused together", "        if len(found) > 1:", "        if len(found) > 9:"),
     ("the sample standard deviation", '"std": float(raw[g].std(ddof=1))',
      '"std": float(raw[g].std(ddof=0))'),
+]
+
+
+FOLDERS = "test_run_folders.py::"
+MUTATIONS += [  # one run, one folder, one writer
+    ("a run folder has one writer (an exclusive lock)",
+     "        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+     "        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+     FOLDERS + "test_a_second_launch_of_a_run_in_use_is_refused_and_a_kill_9_frees_it"),
+    ("temporary files named per process", '    temporary = f"{path}.{os.getpid()}.tmp"',
+     '    temporary = path + ".tmp"',
+     "test_checkpoint.py::test_crash_before_the_rename_keeps_the_previous_checkpoint"),
+    ("a dead writer's temporary files removed under the lock",
+     '        os.remove(stale)', '        pass',
+     FOLDERS + "test_a_second_launch_of_a_run_in_use_is_refused_and_a_kill_9_frees_it"),
+    ("every rank agrees on the run folder",
+     "        if s is not None and (first is None or s > first):", "        if False:",
+     FOLDERS + "test_node_local_runs_folders_that_disagree_stop_every_rank"),
+    ("a torchrun job's new run gets a folder of its own",
+     "            args = dataclasses.replace(args, run_name=own_folder(args.runs_dir, name))",
+     "            args = dataclasses.replace(args, run_name=name if store else own_folder("
+     "args.runs_dir, name))", FOLDERS + "test_two_torchrun_jobs_in_one_second_get_a_folder_each"),
+    ("a checkpoint with fields this file lacks refused", "    if theirs - ours:",
+     "    if False:", FOLDERS + "test_a_checkpoint_of_another_version_of_the_file"),
+    ("an older snapshot never replaces a newer checkpoint",
+     '        if step > ckpt["global_step"]:', "        if False:",
+     FOLDERS + "test_an_older_snapshot_never_replaces_a_newer_checkpoint"),
+    ("--runs-dir is where the run goes",
+     "    run_dir = ckpt[\"run_dir\"] if ckpt else os.path.join(args.runs_dir, args.run_name)",
+     "    run_dir = ckpt[\"run_dir\"] if ckpt else os.path.join(\"runs\", args.run_name)",
+     FOLDERS + "test_runs_dir_pins_the_run_whatever_the_working_directory"),
 ]
 
 

@@ -1,8 +1,10 @@
 """Checkpoints: round trip, atomic writes, exact resume, Ctrl-C, safe loading, evaluation."""
 import copy
+import glob
 import importlib.util
 import inspect
 import os
+import re
 import shutil
 import pickle
 import signal
@@ -53,7 +55,7 @@ def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
     assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
     P.set_rng_state(loaded["rng"], torch.device("cpu"))
     assert torch.equal(expected, torch.rand(3)), "the action/minibatch RNG was not restored"
-    assert not os.path.exists(path + ".tmp")
+    assert not glob.glob(path + ".*tmp")  # the temporary file was renamed
 
 
 def test_a_checkpoint_holds_and_restores_the_training_devices_cuda_rng(monkeypatch):
@@ -86,7 +88,7 @@ def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, monkeyp
     with pytest.raises(OSError):
         P.write_atomically(path, {"model": {"w": torch.zeros(2)}, "args": {}, "iteration": 2})
     monkeypatch.undo()
-    assert os.path.exists(path + ".tmp")  # the new one was written but never renamed
+    assert os.path.exists(f"{path}.{os.getpid()}.tmp")  # written (named per process), not renamed
     loaded = P.load_checkpoint(path)
     assert loaded["iteration"] == 1 and torch.equal(loaded["model"]["w"], torch.ones(2))
 
@@ -738,9 +740,9 @@ def test_checkpoint_and_agent_files_hold_host_tensors_only(workdir, monkeypatch)
     real_agent_state, real_opt_state = agent.state_dict, opt.state_dict
     monkeypatch.setattr(agent, "state_dict", lambda: foreign(real_agent_state()))
     monkeypatch.setattr(opt, "state_dict", lambda: foreign(real_opt_state()))
-    written, saving = {}, torch.save  # what reaches torch.save, by file ("checkpoint.pt.tmp")
-    monkeypatch.setattr(torch, "save", lambda state, f: (
-        written.update({os.path.basename(f.name).removesuffix(".tmp"): state}), saving(state, f)))
+    written, saving = {}, torch.save  # what reaches torch.save, by file ("checkpoint.pt.PID.tmp")
+    monkeypatch.setattr(torch, "save", lambda state, f: (written.update(
+        {re.sub(r"\.\d+\.tmp$", "", os.path.basename(f.name)): state}), saving(state, f)))
     os.makedirs("run")
     envs = gym.vector.SyncVectorEnv([Truncating])
     P.save_checkpoint("run", agent, opt, P.wrapper_statistics(envs), tiny_args(), 64, 1, [],

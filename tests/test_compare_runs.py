@@ -1,7 +1,10 @@
 """tests/compare_runs.py: its figures against rliable 1.2.0's on fixed scores, the exact test
 against permutations counted by hand, the budget, the game and the weights it compares by, real
 run folders (one crashed and resumed) and their CSV exports, and its answers to bad input."""
+import contextlib
+import glob
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -49,14 +52,18 @@ def tool(*args, cwd=TESTS):
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def tool_here(*args) -> str:
-    """The command run in this process (torch already imported): its stdout; it must succeed."""
-    import contextlib
-    import io
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        C.main(list(args))
-    return out.getvalue()
+def tool_here(*args, code=0):
+    """The command run in this process (torch and tensorboard already imported, which a process
+    of its own spends seconds on): its stdout, or with code 2 its stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            C.main(list(args))
+            exited = 0
+        except SystemExit as e:
+            exited = e.code
+    assert exited == code, (args, exited, err.getvalue()[-2000:])
+    return err.getvalue() if code else out.getvalue()
 
 
 def write_run(path, rows, env_id="BreakoutNoFrameskip-v4", plan=10_000_000):
@@ -350,10 +357,12 @@ def test_the_tool_reads_run_folders_a_crashed_and_resumed_one_and_their_exports(
     assert "P(b > a) = " in out and "| b | 2 | 2 |" in out, out
     at = tool_here("a=runs/a-*", "b=runs/b-*", "--at", "192")
     assert f"  runs/b-4: Truncating {C.fmt(crashed[1])} at step 192" in at, at
-    export = subprocess.run([sys.executable, os.path.join(TESTS, "plot_curves.py"), "--runs",
-                             "runs", "--export", "csv"], cwd=workdir, capture_output=True,
-                            text=True, timeout=120)
-    assert export.returncode == 0, export.stderr
+    curves = importlib.util.spec_from_file_location("plot_curves", os.path.join(
+        TESTS, "plot_curves.py"))
+    plot_curves = importlib.util.module_from_spec(curves)
+    curves.loader.exec_module(plot_curves)
+    for run in sorted(glob.glob("runs/*")):  # as --runs runs --export csv does
+        plot_curves.export(run, "csv")
     out = tool("a=csv/a-*", "b=csv/b-*", cwd=workdir)  # the command as a user runs it
     assert out.returncode == 0, out.stderr
     for run, line in lines.items():
@@ -468,10 +477,14 @@ def test_bad_input_is_one_line_naming_the_file_and_the_row_and_exit_2(workdir):
               "b Pong"),
              (["runs/short"], "'runs/short' is not NAME=PATHS"),
              ([f"a={SEEDS[0]}", "--at", "100"], "finished no game by step 100")]
-    for args, message in cases:
-        out = tool(*args, cwd=workdir)
-        err = out.stderr.strip().splitlines()
-        assert out.returncode == 2 and len(err) == 1 and message in err[0], (args, out.stderr)
+    for i, (args, message) in enumerate(cases):  # in this process but the first
+        if i == 0:
+            out = tool(*args, cwd=workdir)
+            assert out.returncode == 2, out.stderr
+            err = out.stderr.strip().splitlines()
+        else:
+            err = tool_here(*args, code=2).strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], (args, err)
     assert before == {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
     for value in ("2.5", "x", "-1e6"):
         out = tool(f"a={SEEDS[0]}", "--at", value)
