@@ -19,6 +19,7 @@ import fcntl
 import gc
 import glob
 import importlib.util
+import math
 import multiprocessing.resource_tracker
 import os
 import random
@@ -594,16 +595,16 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
                           pin_memory=device.type == "cuda")
     next_obs = staging.copy_(torch.from_numpy(envs.reset(seed=env_seed)[0])).to(device)
     batch_steps = args.num_envs * args.num_steps * world_size  # per iteration, all ranks
-    num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, 0.0
+    num_iterations, clock, last_print = args.total_timesteps // batch_steps, None, -math.inf
     for iteration in range(iteration + 1, num_iterations + 1):
         lr_now, clip_value = map(float, schedule(iteration, num_iterations, args))  # not numpy
         optimizer.param_groups[0]["lr"] = lr_now
         clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
 
-        t0 = time.time()
+        t0 = time.perf_counter()  # monotonic: a clock step is no duration
         next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
                                                global_step, args.num_envs * world_size)
-        t1 = time.time()
+        t1 = time.perf_counter()
         batch = make_batch(agent, storage, next_obs, autocast, args, carry)
         totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
                                        world_size, carry)
@@ -616,7 +617,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
         stopped = any_rank_signalled(signals, world_size, device)  # Ctrl-C or SIGTERM
         at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         last = iteration == num_iterations or stopped or at_stop
-        now = time.time()
+        now = time.perf_counter()
         # SPS from the end of this process's first iteration: a start's warm-up is no slowdown
         if clock is None:
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
@@ -679,6 +680,8 @@ def check_args(args: Args, world_size: int = 1):
         fail(f"--total-timesteps {args.total_timesteps} is less than one batch "
              f"({batch} steps); raise it or shrink --num-envs/--num-steps")
     check_env_id(args.env_id)
+    if args.track and importlib.util.find_spec("wandb") is None:  # before a folder is made
+        fail("--track needs wandb, which is not installed: pip install wandb")
 
 
 def check_env_id(env_id: str):
@@ -736,30 +739,31 @@ class VideoRecorder(gym.Wrapper):
 
 
 def start_workers(make_async):
-    """make_async(env_worker), signals blocked (workers born deaf), forked from a server that
-    imported torch (not the trainer: CUDA); the resource tracker first, silent after SIGKILL."""
+    """make_async(env_worker), stop signals blocked (the resource tracker, the server and the
+    workers born deaf), forked from a server that imported torch (not the trainer: CUDA); the
+    resource tracker first, silent after SIGKILL."""
     atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
-    try:
+    try:  # meanwhile catch_stop_signals' thread receives them
         multiprocessing.resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # it unblocked INT and TERM
+        os.dup2(stderr, 2)
+        multiprocessing.set_forkserver_preload(["torch", "torch.utils.tensorboard", "gymnasium",
+                                                "ale_py", "cv2"])  # read when the server starts
+        return make_async(env_worker)
     finally:
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(devnull)
-    multiprocessing.set_forkserver_preload(["torch", "torch.utils.tensorboard", "gymnasium",
-                                            "ale_py", "cv2"])  # read when the server starts
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:  # meanwhile catch_stop_signals' thread receives them
-        return make_async(env_worker)
-    finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def env_worker(index, env_fn, *args, **kwargs):
     """An async env's process: gymnasium 1.4's worker loop, deaf to signals, one cv2 thread."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     cv2.setNumThreads(1)
 
@@ -959,9 +963,12 @@ def load_checkpoint(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, unsafe pickle, not a torch file at all
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip() or type(e).__name__  # ANSI codes
-        unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        fail(f"cannot load {path} as a safe checkpoint: " + (f"it holds a pickled {unsafe[1]}, "
-             f"which a weights-only load does not run" if unsafe else text.splitlines()[0][:200]))
+        unsafe = re.search(r"GLOBAL ([\w.]+)", text, re.IGNORECASE)  # torch 2.11 and 2.13 spell it
+        reason = f"it holds a pickled {unsafe[1]}, which a weights-only load does not run" \
+            if unsafe else text.splitlines()[0][:200]
+        if "weights_only" in reason:  # never pass on torch's advice to load it unsafely
+            reason = "it holds pickled objects a weights-only load refuses (none was run)"
+        fail(f"cannot load {path} as a safe checkpoint: {reason}")
     if not isinstance(state, dict) or not {"model", "args"} <= set(state):
         fail(f"{path} is not a checkpoint of this script (no model and args in it)")
     return state | {"run_dir": os.path.dirname(os.path.abspath(path))}
@@ -1223,8 +1230,9 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
         args = dataclasses.replace(args, run_name=name)
     if args.resume is None:  # every run writes its checkpoint first
         folder = os.path.join(args.runs_dir, name)
-        if not name or name.startswith(".") or "/" in name or os.sep in name:
-            fail(f"--run-name {name!r} must be a plain folder name (no '/', not starting with '.')")
+        if not name or name.startswith(".") or "/" in name or len(name.encode()) > 240:
+            fail(f"--run-name {name!r:.60} must be a plain folder name of at most 240 bytes "
+                 f"(no '/', not starting with '.'; a dated name holds --exp-name)")
         if not new:
             lock_run(folder)
         if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
@@ -1328,9 +1336,14 @@ def lock_run(folder: str):
         os.remove(stale)
 
 
+# Stops with a checkpoint: Ctrl-C, kill's SIGTERM, a hang-up (an ssh drop), and the warnings
+# schedulers send before a kill (SLURM --signal, Lightning's requeue: USR1; submitit: USR2; SGE)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def catch_stop_signals():
-    """Returns (list, release): a thread appends each Ctrl-C/SIGTERM read from the wakeup fd; a
-    second Ctrl-C exits at once; one ignored at start (`cmd &`) stays so."""
+    """Returns (list, release): a thread appends each stop signal read from the wakeup fd; a
+    second Ctrl-C exits at once; one ignored at start (`cmd &`, nohup) stays so."""
     if threading.current_thread() is not threading.main_thread():
         print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
               "caller", flush=True)
@@ -1340,7 +1353,7 @@ def catch_stop_signals():
 
     def take_signals():
         while data := reader.recv(64):  # one byte per signal, each delivery
-            for signum in (s for s in data if s in (signal.SIGINT, signal.SIGTERM)):
+            for signum in (s for s in data if s in STOP_SIGNALS):
                 if stop and signum == signal.SIGINT:
                     print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
                     kill_workers()  # before they find the trainer gone
@@ -1350,7 +1363,7 @@ def catch_stop_signals():
 
     threading.Thread(target=take_signals, daemon=True).start()
     old_fd = signal.set_wakeup_fd(writer.fileno())  # first: a signal the handlers get is written
-    old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS
            if signal.getsignal(s) != signal.SIG_IGN}
 
     def release():
@@ -1440,8 +1453,6 @@ def main(args: Args, explicit: set[str] | None = None):
         args, ckpt = agree_on_run(args, explicit, rank, world_size)
         if args is None:  # nothing to train: complete, or past --stop-at-step
             return close(None, None)
-        if args.track and importlib.util.find_spec("wandb") is None:
-            fail("--track needs wandb, which is not installed: pip install wandb")
         return train(args, ckpt, device, signals, rank, world_size)
     finally:
         release()

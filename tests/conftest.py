@@ -551,15 +551,18 @@ class Launched(subprocess.Popen):
         return None
 
 
-def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=False):
+def launch(args, cwd, script=None, env=None, new_session=False, sigint_ignored=False,
+           ignored=()):
     """`python SCRIPT ARGS` in cwd, a fresh interpreter of its own (what a user's shell starts,
     ~3.5 s of imports before the script's first line runs). new_session: its own process group
-    (a scheduler's job); sigint_ignored: started with Ctrl-C ignored (a script's `cmd &`)."""
+    (a scheduler's job); sigint_ignored: started with Ctrl-C ignored (a script's `cmd &`);
+    ignored: more signals ignored at start, by name (`trap "" USR1`, nohup's HUP)."""
     import tempfile
     folder = tempfile.mkdtemp(prefix="launch-")
     command = [sys.executable, os.path.abspath(script or SCRIPT), *map(str, args)]
-    if sigint_ignored:  # as a shell does for `cmd &` (no preexec_fn: unsafe with threads here)
-        command = ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    ignored = ["INT"] * sigint_ignored + list(ignored)
+    if ignored:  # as a shell does for `cmd &` (no preexec_fn: unsafe with threads here)
+        command = ["/bin/sh", "-c", f'trap "" {" ".join(ignored)}; exec "$@"', "sh", *command]
     proc = Launched(command, os.path.join(folder, "stdout"), os.path.join(folder, "stderr"),
                     cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
                     start_new_session=new_session)

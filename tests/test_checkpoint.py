@@ -314,8 +314,14 @@ class Evil:
         return (open, (self.target, "w"))
 
 
+class System:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
 def test_malicious_pickle_never_runs(workdir):
-    """torch.save'd and plain pickles, given to --resume and to --eval-checkpoint."""
+    """torch.save'd and plain pickles, given to --resume and to --eval-checkpoint: refused in
+    one line naming the global, with no advice to load them unsafely."""
     cases = [(writer, flag) for writer in ("torch", "pickle")
              for flag in ("--resume", "--eval-checkpoint")]
     for writer, flag in cases:
@@ -332,6 +338,13 @@ def test_malicious_pickle_never_runs(workdir):
         assert out.returncode == 2, (writer, flag, out.stderr)
         assert "cannot load evil.pt as a safe checkpoint" in out.stderr
         assert not (workdir / f"{writer}{flag}" / "pwned").exists()
+        # the refused global named; torch's advice to load it with weights_only=False never
+        if writer == "torch":  # (a plain pickle's STACK_GLOBAL: torch names no global)
+            assert "it holds a pickled io.open" in out.stderr, out.stderr
+        assert "weights_only" not in out.stderr and "False" not in out.stderr, out.stderr
+    torch.save({"model": System(), "args": {}}, workdir / "system.pt")  # torch 2.13's wording:
+    out = run_in_process(["--resume", "system.pt", "--no-cuda"], workdir)  # "unsupported GLOBAL"
+    assert out.returncode == 2 and "it holds a pickled posix.system" in out.stderr, out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, m
     clock = iter(range(10 ** 6))  # 1 ms a call: the same second for 1000 calls
     monkeypatch.setattr(P, "time", type("Clock", (), {
         "time": staticmethod(lambda: 1_800_000_000 + next(clock) / 1000),
-        "sleep": staticmethod(time.sleep)}))
+        "perf_counter": staticmethod(time.perf_counter), "sleep": staticmethod(time.sleep)}))
     small = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
                  total_timesteps=64)
     P.main(P.Args(**small, learning_rate=1e-4))

@@ -404,12 +404,28 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(inst
     assert_finished(run)
 
 
-def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
+def test_sighup_to_an_async_runs_process_group_stops_it_with_a_checkpoint(tmp_path):
+    """SIGHUP (an ssh drop to a run not under nohup or tmux) stops like SIGTERM; sent to the
+    process group of an async run, the workers (and the resource tracker and the server they
+    fork from) ignore it: the trainer checkpoints and exits 129, no traceback, nothing left."""
+    need("main")
+    hung_up = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
+                      "--run-name", "hup"], tmp_path, new_session=True)
+    assert hung_up.line_starting("step ") is not None, hung_up.communicate(timeout=5)
+    os.killpg(hung_up.pid, signal.SIGHUP)
+    out, err = hung_up.communicate(timeout=120)
+    assert hung_up.returncode == 129 and "by SIGHUP; checkpoint written" in out, err[-2000:]
+    assert "Traceback" not in err and not left_in_session(hung_up.pid), err[-2000:]
+
+
+def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_path):
     """A script's background job (`python ppo_atari.py &`, no job control) starts with SIGINT
-    ignored, and Python leaves it so: the trainer does too, before and after start-up alike,
-    instead of acting on a Ctrl-C only once its handler is in. SIGTERM still stops it."""
+    ignored, and `trap "" USR1` ignores USR1: the trainer leaves both so, before and after
+    start-up alike, instead of acting on them once its handlers are in. SIGUSR2 (submitit's
+    --signal=USR2@90; USR1 is Lightning's and SGE's) stops it like SIGTERM: the checkpoint, the
+    stop line, exit 140."""
     proc = launch([*TINY, "--total-timesteps", "100000", "--checkpoint-interval", "1",
-                   "--run-name", "bg"], tmp_path, sigint_ignored=True)
+                   "--run-name", "bg"], tmp_path, sigint_ignored=True, ignored=["USR1"])
     run = tmp_path / "runs" / "bg"
 
     def iteration():  # the last checkpoint's, once there is one (a new run writes it first)
@@ -427,13 +443,16 @@ def test_a_trainer_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     assert wait_for(1) >= 1, proc.communicate()[1][-2000:]
     status = open(f"/proc/{proc.pid}/status").read()
     ignored = int(status.split("SigIgn:\t")[1].split()[0], 16)
-    assert ignored >> (signal.SIGINT - 1) & 1, "SIGINT is no longer ignored while training"
-    proc.send_signal(signal.SIGINT)
+    for s in (signal.SIGINT, signal.SIGUSR1):
+        assert ignored >> (s - 1) & 1, f"{s.name} is no longer ignored while training"
+        proc.send_signal(s)
     reached = iteration()
-    assert wait_for(reached + 2) >= reached + 2, "the ignored Ctrl-C stopped the run"
-    proc.send_signal(signal.SIGTERM)
+    assert wait_for(reached + 2) >= reached + 2, "an ignored signal stopped the run"
+    proc.send_signal(signal.SIGUSR2)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "continue with: " in out, err[-2000:]
+    assert proc.returncode == 140 and "continue with: " in out, err[-2000:]
+    step = P.load_checkpoint(str(run))["global_step"]
+    assert f"stopped at step {step:,} of 100,000 by SIGUSR2; checkpoint written" in out, out
 
 
 def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):

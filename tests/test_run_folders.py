@@ -13,7 +13,8 @@ import sys
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, free_port, launch, need, run_dirs, run_in_process
+from conftest import (SCRIPT, TINY, free_port, launch, need, run_dirs, run_in_process,
+                      scalars)
 
 ITER = 64  # TINY: 2 envs x 32 steps
 
@@ -107,6 +108,7 @@ import tyro
 import ppo_atari as P
 clock = iter(range(10 ** 6))  # 1 ms a call, from the same instant in every job
 P.time = type("Clock", (), {"time": staticmethod(lambda: 1_800_000_000 + next(clock) / 1000),
+                            "perf_counter": staticmethod(time.perf_counter),
                             "sleep": staticmethod(time.sleep)})
 if __name__ == "__main__":
     P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
@@ -213,3 +215,30 @@ def test_runs_dir_pins_the_run_whatever_the_working_directory(tmp_path):
     assert P.load_checkpoint(str(pinned / "pin"))["global_step"] == 128
     out = run_in_process([*TINY, "--resume", str(pinned / "pin")], tmp_path)
     assert out.returncode == 0 and P.load_checkpoint(str(pinned / "pin"))["global_step"] == 192
+
+
+def test_small_bad_input_writes_nothing_and_durations_survive_a_clock_step(workdir, monkeypatch):
+    """--track without wandb is refused before a folder is made; an over-long --run-name or
+    --exp-name is refused in one line (not ENAMETOOLONG's traceback); a wall clock that steps an
+    hour back and forth mid-run (NTP, a suspended VM) changes no logged duration: they are read
+    from a monotonic clock."""
+    need("main")
+    real_spec = P.importlib.util.find_spec
+    monkeypatch.setattr(P.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real_spec(name, *a))
+    out = run_in_process([*TINY, "--total-timesteps", "64", "--track"], workdir)
+    assert out.returncode == 2 and "--track needs wandb" in out.stderr, out.stderr
+    assert not (workdir / "runs").exists(), os.listdir(workdir / "runs")
+    monkeypatch.undo()
+    for flag in ("--run-name", "--exp-name"):
+        out = run_in_process([*TINY, "--total-timesteps", "64", flag, "x" * 300], workdir)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and "at most 240 bytes" in err[0], (flag, err)
+    assert not (workdir / "runs").exists() or not os.listdir(workdir / "runs")
+    readings = iter(range(10 ** 6))  # every other reading an hour back: any wall-clock
+    monkeypatch.setattr(P.time, "time", lambda: 1_800_000_000 - 3600 * (next(readings) % 2))
+    out = run_in_process([*TINY, "--total-timesteps", "192", "--run-name", "clock"], workdir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logged = scalars(str(workdir / "runs" / "clock"))
+    for tag in ("charts/rollout_time", "charts/update_time", "charts/SPS"):
+        assert all(0 < v < 3600 for _, v in logged[tag]), (tag, logged[tag])

@@ -150,7 +150,7 @@ def test_sps_counts_from_the_end_of_the_first_iteration(workdir, monkeypatch):
         clock[0] += 10.0 if clock[0] < 10.0 else 0.0
         return real(*a, **kw)
 
-    monkeypatch.setattr(P, "time", types.SimpleNamespace(time=tick))
+    monkeypatch.setattr(P, "time", types.SimpleNamespace(time=tick, perf_counter=tick))
     monkeypatch.setattr(P, "rollout", slow_first)
     P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
                   total_timesteps=4 * 64))
