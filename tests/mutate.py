@@ -223,8 +223,12 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "test_preemption.py::test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_"
      "stop"),
     ("async workers born with Ctrl-C and SIGTERM blocked",
-     "signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))",
-     "signal.pthread_sigmask(signal.SIG_BLOCK, set())", INSTANT),
+     "        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # it unblocked INT and",
+     "        pass  #", INSTANT),
+    ("the resource tracker born with the warning signals blocked",
+     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))",
+     "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())",
+     "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
     ("a crash after a mid-run signal keeps its traceback",
      "        return train(args, ckpt, device, signals, rank, world_size)\n    finally:\n",
      "        return train(args, ckpt, device, signals, rank, world_size)\n    except Exception:\n"
@@ -478,7 +482,7 @@ MUTATIONS += [  # one run, one folder, one writer; the warning signals
     ("the warning signals are stops",
      "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)",
      "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)",
-     "test_preemption.py::test_sighup_to_an_async_runs_process_group_stops_it_with_a_checkpoint"),
+     "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
     ("a refused pickle names its global, never advises an unsafe load",
      '        if "weights_only" in reason:', "        if False:",
      "test_checkpoint.py::test_malicious_pickle_never_runs"),

@@ -149,15 +149,20 @@ def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path, monkeypatch
                                 total_timesteps=64, cuda=False, threads=1))
 
 
-def test_async_workers_survive_sigterm_to_the_process_group(tmp_path):
-    """SLURM sends SIGTERM to every process: the workers must keep serving the trainer until
-    it has finished its iteration and written the checkpoint."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_async_workers_survive_a_stop_signal_to_the_process_group(tmp_path, signum):
+    """SLURM sends SIGTERM to every process, an ssh drop SIGHUP to the process group: the
+    workers (and the resource tracker and the server they fork from) must keep serving the
+    trainer until it has finished its iteration and written the checkpoint; exit 128 + n, no
+    traceback, no process left."""
     proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async"], tmp_path,
                   new_session=True)
     proc.line_starting("step ")
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "continue with: " in out, err[-2000:]
+    assert proc.returncode == 128 + signum and f"by {signum.name}; checkpoint written" in out, \
+        err[-2000:]
+    assert "Traceback" not in err and not left_in_session(proc.pid), err[-2000:]
     (run,) = run_dirs(tmp_path)
     assert P.load_checkpoint(run)["global_step"] >= 64
 

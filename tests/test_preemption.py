@@ -404,20 +404,6 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(inst
     assert_finished(run)
 
 
-def test_sighup_to_an_async_runs_process_group_stops_it_with_a_checkpoint(tmp_path):
-    """SIGHUP (an ssh drop to a run not under nohup or tmux) stops like SIGTERM; sent to the
-    process group of an async run, the workers (and the resource tracker and the server they
-    fork from) ignore it: the trainer checkpoints and exits 129, no traceback, nothing left."""
-    need("main")
-    hung_up = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
-                      "--run-name", "hup"], tmp_path, new_session=True)
-    assert hung_up.line_starting("step ") is not None, hung_up.communicate(timeout=5)
-    os.killpg(hung_up.pid, signal.SIGHUP)
-    out, err = hung_up.communicate(timeout=120)
-    assert hung_up.returncode == 129 and "by SIGHUP; checkpoint written" in out, err[-2000:]
-    assert "Traceback" not in err and not left_in_session(hung_up.pid), err[-2000:]
-
-
 def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_path):
     """A script's background job (`python ppo_atari.py &`, no job control) starts with SIGINT
     ignored, and `trap "" USR1` ignores USR1: the trainer leaves both so, before and after

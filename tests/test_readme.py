@@ -6,8 +6,11 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -145,3 +148,79 @@ def test_each_figure_is_drawn_by_the_command_under_it_from_files_in_tests_figure
     held = {f"tests/figures/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "figures"))}
     assert held == used, f"in tests/figures but unused: {sorted(held - used)}; used but " \
         f"missing: {sorted(used - held)}"
+
+
+def raw_block(first_line: str) -> str:
+    """The ```bash block of README that starts with this line, as written."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", readme(), re.S)
+                if b.startswith(first_line)]
+    return block
+
+
+def test_the_slurm_array_script_runs_as_written_with_srun_and_scontrol_stood_in(tmp_path):
+    """README's job array script under bash, `srun` and `scontrol` stood in by scripts that
+    record their arguments (srun exits as the training would): task 3 runs the fork, seed 2,
+    under a slurm- name; a task stopped by SLURM (143) requeues itself and exits 143; a task
+    that finished (0) does not requeue. Its #SBATCH lines ask for CPUs and an appended log."""
+    script = raw_block("#!/bin/bash")
+    assert "--cpus-per-task=" in script and "--open-mode=append" in script
+    (tmp_path / "job.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/{tool}.txt\n' +
+                                    ('exit "$SRUN_EXIT"\n' if tool == "srun" else ""))
+        (bin_dir / tool).chmod(0o755)
+    for code in (143, 0):
+        for record in ("srun.txt", "scontrol.txt"):
+            (tmp_path / record).unlink(missing_ok=True)
+        out = subprocess.run(["bash", "job.sh"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env=dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin",
+                                                  SLURM_ARRAY_TASK_ID="3",
+                                                  SLURM_ARRAY_JOB_ID="99", SRUN_EXIT=str(code)))
+        assert out.returncode == code, out.stderr
+        assert (tmp_path / "srun.txt").read_text().split() == [
+            "python", "fork.py", "--seed", "2", "--run-name", "slurm-fork-breakout-s2"]
+        requeued = (tmp_path / "scontrol.txt").read_text().split() if code else None
+        assert requeued == (["requeue", "99_3"] if code else None), requeued
+
+
+def test_the_fork_loop_runs_as_written_and_a_ctrl_c_stops_every_run(tmp_path):
+    """README's fork loop, one seed in place of five, `python` stood in by a wrapper that gives
+    the two training runs a tiny configuration (2 envs x 32 steps): a Ctrl-C to the loop's
+    shell reaches both background runs (the trap passes it on as SIGTERM), each writes its
+    checkpoint, and the loop exits 130; the block's last line then compares them (at the
+    largest step both reached)."""
+    loop = raw_block("cp ppo_atari.py fork.py").replace("for seed in 1 2 3 4 5", "for seed in 1")
+    compare = loop.strip().splitlines()[-1]
+    assert compare.startswith("python tests/compare_runs.py"), compare
+    if importlib.util.find_spec("matplotlib") is None:
+        compare = compare.replace(" --plot compare.png", "")
+    shutil.copy(os.path.join(ROOT, "ppo_atari.py"), tmp_path / "ppo_atari.py")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "compare_runs.py"), tmp_path / "tests")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text(
+        f'#!/bin/sh\ncase "$1" in ppo_atari.py|fork.py) exec {sys.executable} "$@" --num-envs 2 '
+        f'--num-steps 32 --num-minibatches 2 --update-epochs 1;; esac\n'
+        f'exec {sys.executable} "$@"\n')
+    (tmp_path / "bin" / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    (tmp_path / "loop.sh").write_text(loop)
+    shell = subprocess.Popen(["bash", "loop.sh"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [tmp_path / f"{script}-1.log" for script in ("ppo_atari", "fork")]
+    deadline = time.time() + 200
+    while time.time() < deadline and not all(
+            log.exists() and "step " in log.read_text() for log in logs):
+        time.sleep(0.2)
+    time.sleep(3)  # some games finish (a game lasts about 200 steps of an env)
+    shell.send_signal(signal.SIGINT)
+    out, err = shell.communicate(timeout=120)
+    assert shell.returncode == 130, (out, err)
+    for log in logs:
+        assert "by SIGTERM; checkpoint written" in log.read_text(), log.read_text()[-2000:]
+    out = subprocess.run(["bash", "-c", compare], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "P(fork > baseline) = " in out.stdout, (out.stdout[-2000:],
+                                                                          out.stderr)

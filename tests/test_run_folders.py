@@ -20,9 +20,9 @@ ITER = 64  # TINY: 2 envs x 32 steps
 
 
 def test_a_second_launch_of_a_run_in_use_is_refused_and_a_kill_9_frees_it(tmp_path):
-    """A job submitted twice: the second launch of --run-name same, while the first trains, is
-    refused in one line naming the holder (pid, host, SLURM job), exit 2, and touches nothing of
-    the live run, which goes on. After a kill -9 of the holder, the same command continues the
+    """A job submitted twice: the second launch of --run-name same (here in the test's process)
+    while the first (a process of its own) trains is refused in one line naming the holder
+    (pid, host, SLURM job), exit 2, and touches nothing of the live run, which goes on. After a kill -9 of the holder, the same command continues the
     run at once, and the killed writer's temporary files are gone."""
     need("main")
     job = [*TINY, "--total-timesteps", "1000000", "--checkpoint-interval", "1",
@@ -32,8 +32,9 @@ def test_a_second_launch_of_a_run_in_use_is_refused_and_a_kill_9_frees_it(tmp_pa
         assert first.line_starting("step ") is not None, first.communicate(timeout=5)
         run = tmp_path / "runs" / "same"
         before = {f: (run / f).stat().st_mtime_ns for f in os.listdir(run)}
-        second = launch(job, tmp_path, env={"SLURM_JOB_ID": "778"})
-        out, err = second.communicate(timeout=60)
+        second = run_in_process([*TINY, "--total-timesteps", "64", "--run-name", "same"],
+                                tmp_path)  # (a budget that would end at once if it ran)
+        out, err = second.stdout, second.stderr
         assert second.returncode == 2 and len(err.strip().splitlines()) == 1, (out, err)
         assert (f"runs/same is in use: pid {first.pid} on {socket.gethostname()} (SLURM job "
                 f"777) holds its lock") in err and "--run-name" in err, err
