@@ -738,10 +738,15 @@ class VideoRecorder(gym.Wrapper):
         super().close()
 
 
+# Stops with a checkpoint: Ctrl-C, SIGTERM, a hang-up (an ssh drop), and the warnings schedulers
+# send before a kill (SLURM --signal, Lightning's requeue: USR1; submitit: USR2; SGE)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+RUN_LOCKS = []  # the open lock file of the run this process writes (rank 0), until main returns
+
+
 def start_workers(make_async):
-    """make_async(env_worker), stop signals blocked (the resource tracker, the server and the
-    workers born deaf), forked from a server that imported torch (not the trainer: CUDA); the
-    resource tracker first, silent after SIGKILL."""
+    """make_async(env_worker) from a server that imported torch (not the trainer: CUDA), all
+    born with the stop signals blocked; the resource tracker first, silent after SIGKILL."""
     atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
@@ -781,7 +786,9 @@ def env_worker(index, env_fn, *args, **kwargs):
 
 def kill_workers():
     """At exit: multiprocessing would SIGTERM the workers, which ignore it, and wait forever."""
-    [p.kill() for p in multiprocessing.active_children() if p.daemon]
+    for worker in multiprocessing.active_children():
+        if worker.daemon:
+            worker.kill()
 
 
 def usable_cores() -> int:
@@ -903,8 +910,7 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
 
 
 def check_one_folder(args: Args, ckpt: dict | None, rank: int, world_size: int):
-    """Every rank looks for the run's checkpoint: one seeing a checkpoint rank 0 does not, or a
-    newer one, means node-local runs/ (rank 0 would start over or go back): all stop."""
+    """All ranks stop if one sees a checkpoint rank 0 does not, or a newer one (node-local runs/)."""
     where = args.resume or os.path.join(args.runs_dir, args.run_name)
     path = where if os.path.isfile(where) else os.path.join(where, "checkpoint.pt")
     step = ckpt["global_step"] if ckpt and rank == 0 else None
@@ -1184,7 +1190,9 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str
 
 
 def close(envs, writer):
-    [opened.close() for opened in (envs, writer) if opened is not None]
+    for opened in (envs, writer):
+        if opened is not None:
+            opened.close()
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # a group a reference cycle frees at interpreter exit aborts gloo (exit -6)
@@ -1248,7 +1256,7 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
             if store is not None:  # what a restart of this job continues
                 store.set("ppo_atari/run_name", args.run_name)
         return args, None
-    if os.path.exists(args.resume):
+    if "resume" in explicit and os.path.exists(args.resume):
         lock_run(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume))
     ckpt = load_checkpoint(args.resume)
     if "optimizer" not in ckpt:
@@ -1257,7 +1265,8 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
         fail(f"--run-name {name} is not the run --resume {args.resume} continues ({folder}): "
              f"a resumed run keeps its folder; drop --run-name")
     check_newest(args.resume, ckpt)
-    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in same_fields(args.resume, ckpt)})
+    shared = same_fields(args.resume, ckpt)
+    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in shared})
     for name in sorted(explicit - RESUME_OVERRIDABLE):
         if getattr(args, name) != getattr(saved, name):
             fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
@@ -1269,8 +1278,7 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def same_fields(path: str, ckpt: dict) -> set[str]:
-    """The Args fields a checkpoint and this file share; refused if its file had fields this one
-    lacks (a fork's, a rename: their settings would be lost); this file's new ones: defaults."""
+    """The Args fields a checkpoint and this file share (refused if it has fields this one lacks)."""
     ours = {f.name for f in dataclasses.fields(Args)} - LAUNCH_ONLY
     theirs = set(ckpt["args"]) - LAUNCH_ONLY
 
@@ -1301,16 +1309,9 @@ def check_newest(path: str, ckpt: dict):
                  f"{shown_path(newest)[:-3]}-{step}.pt)")
 
 
-RUN_LOCKS = {}  # run folder: the open lock file this process holds (rank 0), until main returns
-
-
 def lock_run(folder: str):
-    """One writer a run folder: a lock on runs/.NAME.lock, freed at any exit (kill -9 too), or
-    a refusal naming its holder; then the temporary files of a dead writer are removed."""
-    folder = os.path.abspath(folder)
-    if folder in RUN_LOCKS:
-        return
-    parent, name = os.path.split(folder)
+    """One writer a run folder: runs/.NAME.lock, freed at any exit (kill -9 too), or a refusal."""
+    parent, name = os.path.split(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
     lock = open(os.path.join(parent, f".{name}.lock"), "a+")
     try:
@@ -1326,19 +1327,13 @@ def lock_run(folder: str):
         print(f"note: {shown_path(parent)} cannot lock files ({e.strerror}): nothing stops a "
               f"second launch of {name} from writing it too", flush=True)
         return
-    job = os.environ.get("SLURM_JOB_ID")
+    job = f" (SLURM job {os.environ['SLURM_JOB_ID']})" if "SLURM_JOB_ID" in os.environ else ""
     lock.truncate(0)  # the holder, for a refused launch to name
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}" + (f" (SLURM job {job})" if job
-                                                                  else ""))
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}{job}")
     lock.flush()
-    RUN_LOCKS[folder] = lock
+    RUN_LOCKS.append(lock)
     for stale in glob.glob(os.path.join(folder, "*.pt.*tmp")):  # a killed writer's
         os.remove(stale)
-
-
-# Stops with a checkpoint: Ctrl-C, kill's SIGTERM, a hang-up (an ssh drop), and the warnings
-# schedulers send before a kill (SLURM --signal, Lightning's requeue: USR1; submitit: USR2; SGE)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def catch_stop_signals():
@@ -1378,7 +1373,8 @@ def own_folder(parent: str, name: str) -> str:
     """Makes parent/name, or name__2, name__3, ... if taken (a start in the same second)."""
     for folder in [name] + [f"{name}__{n}" for n in range(2, 10_000)]:
         with contextlib.suppress(FileExistsError):
-            return os.makedirs(os.path.join(parent, folder)) or folder
+            os.makedirs(os.path.join(parent, folder))
+            return folder
 
 
 def shown_path(path: str) -> str:
@@ -1457,7 +1453,7 @@ def main(args: Args, explicit: set[str] | None = None):
     finally:
         release()
         while RUN_LOCKS:  # (main in a test's process: the next main may lock the folder)
-            RUN_LOCKS.popitem()[1].close()
+            RUN_LOCKS.pop().close()
         for module, name, call in cuda_calls:
             setattr(module, name, call)
 
