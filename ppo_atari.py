@@ -10,11 +10,14 @@ Above THE FENCE, in CleanRL's order, the PPO a fork edits: Args, the Atari wrapp
 network, GAE and the loss, the phases of an iteration, the loop. Below it, the machinery a fork
 leaves alone. Tested with Python 3.11-3.13, torch 2.13 and 2.11, gymnasium 1.4, ale-py 0.12.
 """
+import _thread
 import atexit
 import collections
 import contextlib
+import copy
 import dataclasses
 import datetime
+import errno
 import fcntl
 import gc
 import glob
@@ -52,7 +55,8 @@ ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every
 
 # What a resume may change (not the network, game or optimisation so far); LAUNCH_ONLY: unsaved
 LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads", "runs_dir"}
-RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval", "track",
+RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval",
+                                    "checkpoint_minutes", "track",
                                     "wandb_project_name", "wandb_entity", "capture_video",
                                     "compile", "env_backend", "run_name", "dist_timeout"}
 RESUME_HELP = "a run folder or checkpoint to continue; it may change only " + ", ".join(
@@ -129,6 +133,8 @@ class Args:
     """stop with a checkpoint once this many steps are done, the schedule still to the total"""
     checkpoint_interval: int = 50
     """write checkpoint.pt every this many iterations (and at the end)"""
+    checkpoint_minutes: float | None = None
+    """also write it once this many minutes have passed since the last (slow iterations)"""
     eval_checkpoint: str | None = None
     """score this saved agent (agent.pt or checkpoint.pt) instead of training"""
     eval_episodes: int = 10
@@ -623,7 +629,7 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
         elif now > clock[1]:
             sps = int((global_step - clock[0]) / (now - clock[1]))
-        checkpoint = iteration % args.checkpoint_interval == 0 or last
+        checkpoint = checkpoint_due(iteration, args, world_size, device) or last
         # what a checkpoint cannot hold is refused now, not at the checkpoint; all ranks' state
         env_state = wrapper_statistics(envs, world_size, carry, gather=checkpoint)
         if writer is not None:
@@ -670,7 +676,7 @@ def explicit_fields(argv: list[str]) -> set[str]:
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "eval_episodes", "dist_timeout", "stop_at_step",
+                 "checkpoint_interval", "checkpoint_minutes", "eval_episodes", "dist_timeout", "stop_at_step",
                  "threads", "learning_rate", "clip_coef"):
         if (value := getattr(args, name)) is not None and not value > 0:
             kind = "positive" if isinstance(value, float) else "a positive integer"
@@ -742,6 +748,23 @@ class VideoRecorder(gym.Wrapper):
 # send before a kill (SLURM --signal, Lightning's requeue: USR1; submitit: USR2; SGE)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 RUN_LOCKS = []  # the open lock file of the run this process writes (rank 0), until main returns
+# The trainer as a stop or a failed write finds it: the step its checkpoint holds and when it was
+# written, its run folder, and (one process) the state its last whole iteration ended with
+TRAINER = {}
+# A failed write's errno, in plain words
+STORAGE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                  errno.EROFS: "the filesystem is read-only", errno.EIO: "the storage failed",
+                  errno.ESTALE: "the network mount was lost", errno.EACCES: "permission denied",
+                  errno.EFBIG: "the file size limit was reached"}
+
+
+class GiveUpRollout(BaseException):
+    """Raised in the main thread by a stop during a rollout (one process): main checkpoints the
+    last whole iteration. A BaseException: a fork's `except Exception` lets it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def start_workers(make_async):
@@ -874,12 +897,30 @@ def torchrun_store(timeout_s: int):
 
 
 def any_rank_signalled(signals: list, world_size: int, device) -> bool:
-    """Whether any rank (this one, without torchrun) got a Ctrl-C or SIGTERM: all stop together."""
+    """Whether any rank (this one, without torchrun) got a stop signal: all stop together. Called
+    as an iteration ends: keeps its time and (one process) its RNG, as a checkpoint holds it."""
+    now = time.perf_counter()
+    TRAINER["iteration_s"], TRAINER["ended"] = now - TRAINER.get("ended", now), now
     if world_size == 1:
+        TRAINER["rng"] = rng_state(device)
         return bool(signals)
     flag = torch.tensor(float(bool(signals)), device=device)
     dist.all_reduce(flag)
     return flag.item() > 0
+
+
+def checkpoint_due(iteration: int, args: Args, world_size: int, device) -> bool:
+    """Every --checkpoint-interval iterations, and once --checkpoint-minutes have passed since the
+    last checkpoint (rank 0's clock decides for all ranks)."""
+    if iteration % args.checkpoint_interval == 0:
+        return True
+    if args.checkpoint_minutes is None:
+        return False
+    waited = time.perf_counter() - TRAINER["saved_at"]
+    due = torch.tensor(float(waited >= 60 * args.checkpoint_minutes), device=device)
+    if world_size > 1:
+        dist.broadcast(due, src=0)
+    return due.item() > 0
 
 
 def all_reduce_gradients(agent: nn.Module, world_size: int):
@@ -953,11 +994,49 @@ def write_atomically(path: str, state: dict):
     """Via a temporary file of this process's, fsynced and renamed: a crash leaves one whole
     file, and two writers never mix bytes; CPU tensors."""
     temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as f:
-        torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(map_tensors(state, lambda t: t.detach().cpu()), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except Exception as e:  # no space, quota, read-only, a lost mount: no temporary is left
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        if storage_error(e) is None:
+            raise
+        cannot_write(path, storage_error(e))
+
+
+def storage_error(e: BaseException | None) -> OSError | None:
+    """The OSError of a storage failure behind e (torch.save raises its own error from it)."""
+    while e is not None and not (isinstance(e, OSError) and e.errno in STORAGE_ERRORS):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def cannot_write(what: str, error: OSError):
+    """A write that failed: what, why in plain words, the step the checkpoint holds; exit 1."""
+    held = TRAINER.get("saved_step")
+    fail(f"cannot write {what}: {STORAGE_ERRORS[error.errno]} ({error.strerror}); " + (
+        "no checkpoint was written" if held is None else f"the run's checkpoint.pt holds step "
+        f"{held:,}, and the same command continues from it once the disk takes writes"), code=1)
+
+
+def check_room(run_dir: str, agent: nn.Module, new: bool):
+    """Refuses a start whose filesystem has no room for two checkpoints (agent.pt: the weights;
+    checkpoint.pt: the weights and Adam's two moments; a temporary of each beside them)."""
+    need = 2 * 4 * sum(p.numel() * p.element_size() for p in agent.parameters())
+    kept = [os.path.join(run_dir, f) for f in ("agent.pt", "checkpoint.pt")]
+    disk = os.statvfs(run_dir)
+    room = disk.f_bavail * disk.f_frsize + sum(map(os.path.getsize, filter(os.path.isfile, kept)))
+    if room < need:
+        if new:
+            with contextlib.suppress(OSError):
+                os.rmdir(run_dir)
+        fail(f"{shown_path(run_dir)} has room for {room / 2**20:.0f} MiB of checkpoints and a run "
+             f"needs {need / 2**20:.0f} MiB (two checkpoints): free some space there" + (
+                 ", or pass --runs-dir on another disk" if new else ""), code=1)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1061,7 +1140,7 @@ def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> di
         envs.close()
         fail(f"{what} is a {kind}, which a checkpoint cannot hold: keep it as numbers, str, None,"
              f" numpy numbers or arrays, tensors, or lists, tuples and dicts of them")
-    if not gather:
+    if world_size > 1 and not gather:
         return None
     numbers = states[0]["numbers"]
     if world_size > 1:  # every rank's envs, rank 0's first
@@ -1069,7 +1148,11 @@ def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> di
         dist.all_gather_object(gathered, states)
         states = [env for part in gathered for env in part]
     keys = dict.fromkeys(key for env in states for key in env["state"])
-    return {key: [env["state"].get(key) for env in states] for key in keys} | {"numbers": numbers}
+    env_state = {key: [env["state"].get(key) for env in states] for key in keys} | {
+        "numbers": numbers}
+    if world_size == 1:  # what a stop in the next rollout checkpoints
+        TRAINER["env_state"], TRAINER["carry"] = env_state, copy.deepcopy(carry)
+    return env_state if gather else None
 
 
 def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
@@ -1097,7 +1180,9 @@ def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
 def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
             seed: int):
     """A resume: weights, Adam, RNG, wrapper state, carry, recent returns; rank 0's weights."""
+    TRAINER.update(saved_at=time.perf_counter(), ended=time.perf_counter())
     if ckpt is not None:
+        TRAINER["saved_step"] = ckpt["global_step"]
         restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)
         load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -1118,6 +1203,8 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
     print(f"run folder: {os.path.abspath(run_dir)} ({'new' if ckpt is None else 'continued'}); "
           f"watch it with: tensorboard --logdir {shown}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
+    check_room(run_dir, agent, ckpt is None)
+    TRAINER["run_dir"] = run_dir
     if ckpt is None:
         save_checkpoint(run_dir, agent, optimizer, env_state, args, 0, 0, [], carry)
     if args.track:  # a continued run continues the same wandb run: its id is the folder's name
@@ -1130,6 +1217,8 @@ def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env
     if ckpt is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in vars(args).items()))
+    writer.add_text("launch", f"run folder {os.path.abspath(run_dir)} on {socket.gethostname()}: "
+                    f"{shlex.join(sys.argv)}", ckpt["global_step"] if ckpt else 0)  # (no stdout)
     return writer
 
 
@@ -1154,6 +1243,7 @@ def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
         "optimizer": optimizer.state_dict(), "iteration": iteration,
         "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
         "env_statistics": env_state, "carry": to_saved(carry)})
+    TRAINER.update(saved_step=global_step, saved_at=time.perf_counter())
 
 
 def torchrun_options(script: str) -> list[str] | None:
@@ -1337,28 +1427,48 @@ def lock_run(folder: str):
 
 
 def catch_stop_signals():
-    """Returns (list, release): a thread appends each stop signal read from the wakeup fd; a
-    second Ctrl-C exits at once; one ignored at start (`cmd &`, nohup) stays so."""
+    """Returns (list, release): a thread appends each stop signal read from the wakeup fd and
+    answers the first at once; a second Ctrl-C exits at once; a signal ignored at start (`cmd &`,
+    nohup) stays so. A stop during a rollout gives it up: the handler raises GiveUpRollout in the
+    main thread, where it runs between bytecodes; the thread nudges it (SIGURG's handler) every
+    50 ms until the main thread is out of the way."""
     if threading.current_thread() is not threading.main_thread():
         print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
               "caller", flush=True)
         return [], lambda: None
     stop, (reader, writer) = [], socket.socketpair()
     writer.setblocking(False)
+    main_thread = threading.main_thread().ident
 
     def take_signals():
-        while data := reader.recv(64):  # one byte per signal, each delivery
+        while True:
+            try:
+                data = reader.recv(64)  # one byte per signal, each delivery
+            except TimeoutError:  # (a stop came)
+                _thread.interrupt_main(signal.SIGURG)
+                continue
+            if not data:
+                break
             for signum in (s for s in data if s in STOP_SIGNALS):
                 if stop and signum == signal.SIGINT:
                     print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
                     kill_workers()  # before they find the trainer gone
                     os._exit(130)
+                if not stop:
+                    say_stopping(signum, sys._current_frames().get(main_thread))
                 stop.append(signum)
+                reader.settimeout(0.05)
         reader.close()
+
+    def give_up_rollout(signum, frame):
+        first = stop[0] if stop else signum if signum in STOP_SIGNALS else None
+        if first is not None and in_rollout(frame):
+            TRAINER["given_up"] = True  # (for say_stopping, should it look after this)
+            raise GiveUpRollout(first)
 
     threading.Thread(target=take_signals, daemon=True).start()
     old_fd = signal.set_wakeup_fd(writer.fileno())  # first: a signal the handlers get is written
-    old = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS
+    old = {s: signal.signal(s, give_up_rollout) for s in (*STOP_SIGNALS, signal.SIGURG)
            if signal.getsignal(s) != signal.SIG_IGN}
 
     def release():
@@ -1367,6 +1477,61 @@ def catch_stop_signals():
             signal.signal(s, handler)
         writer.close()  # the thread's recv returns b"": it ends
     return stop, release
+
+
+def on_stack(frame, function) -> bool:
+    """Whether frame is in function (or in what it called)."""
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def in_rollout(frame) -> bool:
+    """Whether frame is in rollout, in a process of its own (torchrun's ranks stop together)."""
+    return not dist.is_initialized() and on_stack(frame, rollout)
+
+
+def say_stopping(signum: int, frame):
+    """The answer to a first stop signal, at once: what the run does now, and what it costs."""
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    if on_stack(frame, evaluate):
+        what = "the evaluation ends after this move"
+    elif in_rollout(frame) or "given_up" in TRAINER:
+        what = "the rollout in progress is given up and the last whole iteration checkpointed"
+    elif "iteration_s" in TRAINER:
+        what = (f"the iteration in progress ends (within about {TRAINER['iteration_s']:.0f} s, "
+                f"an iteration's time) and is checkpointed")
+    else:
+        what = "the run stops before its first rollout"
+    held = TRAINER.get("saved_step")
+    second = "; a second Ctrl-C quits at once without a checkpoint" + (
+        f" (the last holds step {held:,})" if held is not None else "")
+    print(f"\n{name}: stopping: {what}" + (second if signum == signal.SIGINT else ""),
+          file=sys.stderr, flush=True)
+
+
+def stop_in_rollout(stop: GiveUpRollout):
+    """A stop during a rollout: the trainer's own variables (the frame main called) and the state
+    its last whole iteration ended with are checkpointed, unless the checkpoint already holds it."""
+    trainer = stop.__traceback__.tb_next.tb_frame.f_locals  # train, or a fork's
+    held, name = TRAINER.get("saved_step"), signal.Signals(stop.signum).name
+    if not {"args", "run_dir", "global_step", "iteration", "agent", "optimizer", "recent", "envs",
+            "writer"} <= set(trainer):
+        fail(f"stopped by {name} in a rollout; a fork's train() renamed what a stop checkpoints, "
+             f"so the checkpoint holds step {held}", code=128 + stop.signum)
+    args, run_dir, step = trainer["args"], trainer["run_dir"], trainer["global_step"]
+    close(trainer["envs"], None)
+    if step != held:  # the end of the last whole iteration, as it was
+        agent = trainer["agent"]
+        set_rng_state(TRAINER["rng"], next(agent.parameters()).device)
+        trainer["writer"].flush()  # the logs reach as far as the checkpoint
+        save_checkpoint(run_dir, agent, trainer["optimizer"], TRAINER["env_state"], args, step,
+                        trainer["iteration"] - 1, trainer["recent"], TRAINER["carry"])
+    trainer["writer"].close()
+    say_how_to_continue(run_dir, args, step, name, False, 1)
+    raise SystemExit(128 + stop.signum)
 
 
 def own_folder(parent: str, name: str) -> str:
@@ -1395,8 +1560,13 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
              f"the same game")
     other = "" if env_id == trained else env_id.replace("/", "-") + "-"
     name = f"{other}step{step}-seed{args.seed}-{time.time():.3f}"  # a TensorBoard run of its own
-    events = os.path.join(run_dir, "eval", name)
-    video = os.path.join(run_dir, "eval-videos", name) if args.capture_video else None
+    into = run_dir
+    if not os.access(run_dir, os.W_OK):  # a read-only folder: runs/ of the working directory
+        into = os.path.join("runs", os.path.basename(run_dir))
+        print(f"note: {shown_path(run_dir)} is read-only: the evaluation writes to "
+              f"{shown_path(into)} instead", flush=True)
+    events = os.path.join(into, "eval", name)
+    video = os.path.join(into, "eval-videos", name) if args.capture_video else None
     eval_args = dataclasses.replace(args, env_id=env_id, num_envs=1, env_backend="sync")
     envs = make_envs(eval_args, args.seed, video, every_game=True)
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
@@ -1427,12 +1597,50 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
         raise SystemExit(128 + signals[0])
 
 
+def quiet_storage_errors(hook_args):
+    """threading.excepthook: TensorBoard's writer thread dies of a failed write silently (main
+    says it in one line when the next write raises it)."""
+    if storage_error(hook_args.exc_value) is None:
+        sys.__excepthook__(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback)
+
+
+class Unbroken:
+    """sys.stdout or sys.stderr for a run: once a write fails (a closed pipe, EIO after a hang-up)
+    its descriptor points at /dev/null, and the run goes on without output."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.silence()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self.silence()
+
+    def silence(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # what the stream still holds goes there too
+        os.close(devnull)
+
+
 def main(args: Args, explicit: set[str] | None = None):
     """Trains (returns the agent; None: nothing to train) or evaluates; explicit: CLI fields."""
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
+    TRAINER.clear()
     signals, release = catch_stop_signals()
+    hook, threading.excepthook = threading.excepthook, quiet_storage_errors
     cuda_calls = [(m, name, getattr(m, name)) for m, name in cuda_entry_points()]  # --no-cuda
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
@@ -1450,8 +1658,16 @@ def main(args: Args, explicit: set[str] | None = None):
         if args is None:  # nothing to train: complete, or past --stop-at-step
             return close(None, None)
         return train(args, ckpt, device, signals, rank, world_size)
+    except GiveUpRollout as stop:
+        stop_in_rollout(stop)
+    except OSError as e:  # an events write (checkpoints: write_atomically)
+        if storage_error(e) is None:
+            raise
+        cannot_write(f"the events in {shown_path(TRAINER.get('run_dir', args.runs_dir))}",
+                     storage_error(e))
     finally:
         release()
+        threading.excepthook = hook
         while RUN_LOCKS:  # (main in a test's process: the next main may lock the folder)
             RUN_LOCKS.pop().close()
         for module, name, call in cuda_calls:
@@ -1459,4 +1675,5 @@ def main(args: Args, explicit: set[str] | None = None):
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)  # output never stops it
     main(tyro.cli(Args), explicit_fields(sys.argv[1:]))

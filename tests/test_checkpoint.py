@@ -178,12 +178,15 @@ def test_a_resume_continues_exactly_where_the_checkpoint_left_off(workdir, monke
     (after iteration 2's checkpoint) and is resumed: iteration 3 of the resumed run starts from
     exactly the state iteration 3 of run a started from, bit for bit (only the games in progress
     differ: a resume starts fresh ones). A copy of b's folder, resumed the same way, logs the
-    same scalars as b: a resume is itself deterministic. In the stand-in game ending every 5
-    steps (games finish), under a wrapper with *_state, with a carry kept by make_batch."""
+    same scalars as b: a resume is itself deterministic. Run d is stopped by a SIGTERM in the
+    middle of iteration 3's rollout, with no checkpoint since step 0: it gives the rollout up
+    and checkpoints the end of iteration 2, which resumes exactly as b's does. In the stand-in
+    game ending every 5 steps (games finish), under a wrapper with *_state, with a carry kept
+    by make_batch."""
     record = record_iterations(monkeypatch)
     total, args = 4 * 64, dict(env_id="Truncating", num_envs=2, num_steps=32,
                                num_minibatches=2, update_epochs=2, cuda=False)
-    for folder in "abc":
+    for folder in "abcd":
         (workdir / folder).mkdir()
     monkeypatch.chdir(workdir / "a")
     P.main(P.Args(**args, total_timesteps=total, run_name="r"))
@@ -205,22 +208,44 @@ def test_a_resume_continues_exactly_where_the_checkpoint_left_off(workdir, monke
     run = str(workdir / "b" / "runs" / "r")
     assert P.load_checkpoint(run)["iteration"] == 2
     shutil.copytree(run, workdir / "c" / "runs" / "r")
+
+    monkeypatch.chdir(workdir / "d")  # d: a SIGTERM at iteration 3's fifth env step
+    calls.clear()
+
+    def signalled_step(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2 * 32 + 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, *a, **kw)
+
+    with monkeypatch.context() as stop:
+        stop.setattr(gym.vector.SyncVectorEnv, "step", signalled_step)
+        with pytest.raises(SystemExit) as stopped:
+            P.main(P.Args(**args, total_timesteps=total, checkpoint_interval=4, run_name="r"))
+    assert stopped.value.code == 128 + signal.SIGTERM and len(calls) < 2 * 32 + 32, (
+        f"the SIGTERM at env step 69 ended the run with {stopped.value.code} after {len(calls)}"
+        f" env steps: the rollout in progress was not given up")
+    held = P.load_checkpoint(str(workdir / "d" / "runs" / "r"))
+    assert (held["iteration"], held["global_step"]) == (2, 128), (held["iteration"],
+                                                                  held["global_step"])
     resumed = []
-    for folder in "bc":
+    for folder in "bcd":
         monkeypatch.chdir(workdir / folder)
         del record[:]
         P.main(P.Args(**args, resume=os.path.join("runs", "r")), explicit={"resume"})
         resumed.append(list(record))
     assert run_dirs(workdir / "b") == [run], "resume must continue in the same folder"
 
-    assert len(record_a) == 4 and [len(r) for r in resumed] == [2, 2], (len(record_a), resumed)
-    then, now = record_a[2], resumed[0][0]  # iteration 3, uninterrupted and resumed
+    assert len(record_a) == 4 and [len(r) for r in resumed] == [2, 2, 2], (len(record_a),
+                                                                            resumed)
+    then = record_a[2]  # iteration 3, uninterrupted
     assert then["recent"] and then["carry"] and any(
         then["wrappers"][0].values()), "nothing to restore: the test's run kept no state"
-    differ = [what for what in ("global_step", "weights", "adam", "rng", "recent", "wrappers",
-                                "carry") if not same(then[what], now[what])]
-    assert not differ, (f"iteration 3 after the resume does not start where the uninterrupted "
-                        f"run's did: {', '.join(differ)} differ")
+    for how, now in (("after a crash", resumed[0][0]), ("after a stop mid-rollout", resumed[2][0])):
+        differ = [what for what in ("global_step", "weights", "adam", "rng", "recent",
+                                    "wrappers", "carry") if not same(then[what], now[what])]
+        assert not differ, (f"iteration 3 resumed {how} does not start where the uninterrupted "
+                            f"run's did: {', '.join(differ)} differ")
     assert same(resumed[0], resumed[1]), "the same resume, twice, did not start alike"
 
     a, b, c = (scalars(r, raw=True) for r in (full, run, str(workdir / "c" / "runs" / "r")))

@@ -404,6 +404,80 @@ def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(inst
     assert_finished(run)
 
 
+def stderr_line(proc, text: str, seconds: float = 10.0) -> tuple[str | None, float]:
+    """The first stderr line of a launch holding text, and when it was read (time.time())."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        for line in open(proc.err).read().splitlines():
+            if text in line:
+                return line, time.time()
+        time.sleep(0.01)
+    return None, time.time()
+
+
+def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once(
+        tmp_path):
+    """Iterations of 1,024 steps (rollouts of seconds): a Ctrl-C as iteration 2's rollout starts
+    is answered on stderr at once (the rollout given up; a second Ctrl-C quits without a
+    checkpoint; the last holds step 0), and the run exits 130 with iteration 1's checkpoint,
+    not iteration 2's."""
+    need("main")
+    proc = launch([*TINY, "--num-steps", "512", "--update-epochs", "1", "--total-timesteps",
+                   "100000", "--run-name", "long"], tmp_path)
+    assert proc.line_starting("step 1,024/"), proc.communicate()[1][-2000:]
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    line, answered = stderr_line(proc, "Ctrl-C: stopping")
+    out, err = proc.communicate(timeout=60)
+    ended = time.time()
+    assert proc.returncode == 130 and line is not None, err[-2000:]
+    assert answered - sent < 2, f"the first Ctrl-C was answered after {answered - sent:.1f} s"
+    assert "the rollout in progress is given up" in line and "a second Ctrl-C quits at once " \
+        "without a checkpoint (the last holds step 0)" in line, line
+    held = P.load_checkpoint(str(tmp_path / "runs" / "long"))
+    assert held["global_step"] == 1024 and "stopped at step 1,024 of 100,000 by SIGINT" in out, (
+        f"the checkpoint holds step {held['global_step']} {ended - sent:.1f} s after the "
+        f"Ctrl-C: the stop waited for the rollout in progress")
+
+
+def test_a_ctrl_c_during_an_update_says_how_long_it_waits_and_a_second_quits_at_once(tmp_path):
+    """Updates of seconds (100 epochs): a Ctrl-C during one is answered at once with about how
+    long the iteration takes; a second Ctrl-C quits at once, the checkpoint untouched."""
+    need("main")
+    proc = launch([*TINY, "--update-epochs", "100", "--num-minibatches", "1",
+                   "--total-timesteps", "100000", "--run-name", "slow"], tmp_path)
+    assert proc.line_starting("step 64/"), proc.communicate()[1][-2000:]
+    before = listing(tmp_path / "runs" / "slow")
+    time.sleep(0.5)  # iteration 2's rollout (64 steps) is done: the update runs
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    line, answered = stderr_line(proc, "Ctrl-C: stopping")
+    assert line is not None and answered - sent < 2, proc.communicate()[1][-2000:]
+    assert re.search(r"the iteration in progress ends \(within about \d+ s, an iteration's "
+                     r"time\) and is checkpointed; a second Ctrl-C quits at once without a "
+                     r"checkpoint \(the last holds step 0\)", line), line
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "second Ctrl-C: exiting now" in err, err[-2000:]
+    assert time.time() - answered < 2 and listing(tmp_path / "runs" / "slow") == before
+
+
+def test_checkpoint_minutes_bounds_what_a_kill_9_loses(tmp_path):
+    """--checkpoint-interval 1000 with --checkpoint-minutes 0.001 (0.06 s): by the first progress
+    line's end of iteration a checkpoint is written, which a kill -9 keeps."""
+    need("main")
+    proc = launch([*TINY, "--total-timesteps", "100000", "--checkpoint-interval", "1000",
+                   "--checkpoint-minutes", "0.001", "--run-name", "timed"], tmp_path)
+    assert proc.line_starting("step "), proc.communicate()[1][-2000:]
+    deadline = time.time() + 30
+    while P.load_checkpoint(str(tmp_path / "runs" / "timed"))["global_step"] < 128 and \
+            time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate()
+    assert P.load_checkpoint(str(tmp_path / "runs" / "timed"))["global_step"] >= 128
+
+
 def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_path):
     """A script's background job (`python ppo_atari.py &`, no job control) starts with SIGINT
     ignored, and `trap "" USR1` ignores USR1: the trainer leaves both so, before and after
