@@ -676,8 +676,8 @@ def explicit_fields(argv: list[str]) -> set[str]:
 def check_args(args: Args, world_size: int = 1):
     """Fails with a message naming the field unless the sizes fit together; no env is made."""
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "total_timesteps",
-                 "checkpoint_interval", "checkpoint_minutes", "eval_episodes", "dist_timeout", "stop_at_step",
-                 "threads", "learning_rate", "clip_coef"):
+                 "checkpoint_interval", "checkpoint_minutes", "eval_episodes", "dist_timeout",
+                 "stop_at_step", "threads", "learning_rate", "clip_coef"):
         if (value := getattr(args, name)) is not None and not value > 0:
             kind = "positive" if isinstance(value, float) else "a positive integer"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
@@ -759,12 +759,8 @@ STORAGE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
 
 
 class GiveUpRollout(BaseException):
-    """Raised in the main thread by a stop during a rollout (one process): main checkpoints the
-    last whole iteration. A BaseException: a fork's `except Exception` lets it through."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+    """Raised in the main thread by a stop signal (its args) during a rollout, in one process:
+    main checkpoints the last whole iteration. A fork's `except Exception` lets it through."""
 
 
 def start_workers(make_async):
@@ -951,7 +947,7 @@ def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
 
 
 def check_one_folder(args: Args, ckpt: dict | None, rank: int, world_size: int):
-    """All ranks stop if one sees a checkpoint rank 0 does not, or a newer one (node-local runs/)."""
+    """All ranks stop if one sees a checkpoint rank 0 does not, or a newer one (node-local runs)."""
     where = args.resume or os.path.join(args.runs_dir, args.run_name)
     path = where if os.path.isfile(where) else os.path.join(where, "checkpoint.pt")
     step = ckpt["global_step"] if ckpt and rank == 0 else None
@@ -1001,10 +997,10 @@ def write_atomically(path: str, state: dict):
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except Exception as e:  # no space, quota, read-only, a lost mount: no temporary is left
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
         if storage_error(e) is None:
             raise
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
         cannot_write(path, storage_error(e))
 
 
@@ -1368,7 +1364,7 @@ def resolve_run(args: Args, explicit: set[str], world_size: int):
 
 
 def same_fields(path: str, ckpt: dict) -> set[str]:
-    """The Args fields a checkpoint and this file share (refused if it has fields this one lacks)."""
+    """The Args fields a checkpoint and this file share (refused: fields this one lacks)."""
     ours = {f.name for f in dataclasses.fields(Args)} - LAUNCH_ONLY
     theirs = set(ckpt["args"]) - LAUNCH_ONLY
 
@@ -1418,9 +1414,9 @@ def lock_run(folder: str):
               f"second launch of {name} from writing it too", flush=True)
         return
     job = f" (SLURM job {os.environ['SLURM_JOB_ID']})" if "SLURM_JOB_ID" in os.environ else ""
-    lock.truncate(0)  # the holder, for a refused launch to name
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}{job}")
-    lock.flush()
+    with contextlib.suppress(OSError):  # the holder, for a refused launch to name (unbuffered:
+        os.ftruncate(lock.fileno(), 0)  # on a full disk, the start's room check says so)
+        os.write(lock.fileno(), f"pid {os.getpid()} on {socket.gethostname()}{job}".encode())
     RUN_LOCKS.append(lock)
     for stale in glob.glob(os.path.join(folder, "*.pt.*tmp")):  # a killed writer's
         os.remove(stale)
@@ -1479,32 +1475,32 @@ def catch_stop_signals():
     return stop, release
 
 
-def on_stack(frame, function) -> bool:
-    """Whether frame is in function (or in what it called)."""
-    while frame is not None:
-        if frame.f_code is function.__code__:
-            return True
+VECTOR_ENV_CODE = os.path.dirname(gym.vector.__file__)
+
+
+def in_rollout(frame, to_give_up=True) -> bool:
+    """Whether frame is in rollout, in a process of its own (torchrun's ranks stop together);
+    to_give_up: and not in a call of the vector env (an async one's pipes left half read)."""
+    inside = False
+    while frame is not None and not dist.is_initialized():
+        if to_give_up and frame.f_code.co_filename.startswith(VECTOR_ENV_CODE):
+            return False
+        inside = inside or frame.f_code is rollout.__code__
         frame = frame.f_back
-    return False
-
-
-def in_rollout(frame) -> bool:
-    """Whether frame is in rollout, in a process of its own (torchrun's ranks stop together)."""
-    return not dist.is_initialized() and on_stack(frame, rollout)
+    return inside
 
 
 def say_stopping(signum: int, frame):
     """The answer to a first stop signal, at once: what the run does now, and what it costs."""
     name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-    if on_stack(frame, evaluate):
-        what = "the evaluation ends after this move"
-    elif in_rollout(frame) or "given_up" in TRAINER:
+    if "ended" not in TRAINER:  # not training yet, or evaluating
+        what = "nothing to checkpoint: it stops at its next step"
+    elif in_rollout(frame, to_give_up=False) or "given_up" in TRAINER:
         what = "the rollout in progress is given up and the last whole iteration checkpointed"
-    elif "iteration_s" in TRAINER:
-        what = (f"the iteration in progress ends (within about {TRAINER['iteration_s']:.0f} s, "
-                f"an iteration's time) and is checkpointed")
     else:
-        what = "the run stops before its first rollout"
+        what = "the iteration in progress ends ({}) and is checkpointed".format(
+            f"within about {TRAINER['iteration_s']:.0f} s, an iteration's time"
+            if "iteration_s" in TRAINER else "its first")
     held = TRAINER.get("saved_step")
     second = "; a second Ctrl-C quits at once without a checkpoint" + (
         f" (the last holds step {held:,})" if held is not None else "")
@@ -1516,11 +1512,11 @@ def stop_in_rollout(stop: GiveUpRollout):
     """A stop during a rollout: the trainer's own variables (the frame main called) and the state
     its last whole iteration ended with are checkpointed, unless the checkpoint already holds it."""
     trainer = stop.__traceback__.tb_next.tb_frame.f_locals  # train, or a fork's
-    held, name = TRAINER.get("saved_step"), signal.Signals(stop.signum).name
+    (signum,), held = stop.args, TRAINER.get("saved_step")
     if not {"args", "run_dir", "global_step", "iteration", "agent", "optimizer", "recent", "envs",
             "writer"} <= set(trainer):
-        fail(f"stopped by {name} in a rollout; a fork's train() renamed what a stop checkpoints, "
-             f"so the checkpoint holds step {held}", code=128 + stop.signum)
+        fail(f"stopped in a rollout; a fork's train() renamed what a stop checkpoints, so the "
+             f"checkpoint holds step {held}", code=128 + signum)
     args, run_dir, step = trainer["args"], trainer["run_dir"], trainer["global_step"]
     close(trainer["envs"], None)
     if step != held:  # the end of the last whole iteration, as it was
@@ -1530,8 +1526,8 @@ def stop_in_rollout(stop: GiveUpRollout):
         save_checkpoint(run_dir, agent, trainer["optimizer"], TRAINER["env_state"], args, step,
                         trainer["iteration"] - 1, trainer["recent"], TRAINER["carry"])
     trainer["writer"].close()
-    say_how_to_continue(run_dir, args, step, name, False, 1)
-    raise SystemExit(128 + stop.signum)
+    say_how_to_continue(run_dir, args, step, signal.Signals(signum).name, False, 1)
+    raise SystemExit(128 + signum)
 
 
 def own_folder(parent: str, name: str) -> str:

@@ -2,7 +2,7 @@
     python tests/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
     python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
     python tests/benchmark.py --worker-memory          # each async env worker's memory
-    python tests/benchmark.py --stop-latency 6         # SIGTERM to checkpoint, default flags
+    python tests/benchmark.py --stop-latency 3         # SIGTERM to checkpoint, worst case
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -230,35 +230,72 @@ def worker_memory(num_envs):
     envs.close()
 
 
-def stop_latency(trials, num_envs, cuda):
-    """Seconds from a SIGTERM to the checkpoint it asks for, and to the process's exit, for the
-    default flags: each trial starts a run, waits for its first iteration's line, then sends the
-    signal at an instant spread over the next iteration (what torchrun's 30 s before SIGKILL
-    must cover)."""
-    with tempfile.TemporaryDirectory() as cwd:
-        flags = ["--num-envs", str(num_envs)] + ([] if cuda else ["--no-cuda"])
-        seen = []
-        for k in range(trials):
-            proc = subprocess.Popen([sys.executable, SCRIPT, *flags, "--run-name", f"t{k}"],
-                                    cwd=cwd, stdout=subprocess.PIPE, text=True)
-            first = time.time()
-            for line in proc.stdout:
-                if line.startswith("step "):
-                    break
-            per_iteration = time.time() - first  # start-up included: an upper bound
-            time.sleep(min(per_iteration, 4.0) * k / trials)
-            checkpoint = os.path.join(cwd, "runs", f"t{k}", "checkpoint.pt")
-            before, sent = os.path.getmtime(checkpoint), time.time()
-            proc.send_signal(15)
-            proc.communicate(timeout=300)
-            written = os.path.getmtime(checkpoint)
-            seen.append((written - sent if written > before else float("nan"),
-                         time.time() - sent, proc.returncode))
-            print(f"trial {k + 1}: checkpoint {seen[-1][0]:.2f} s after SIGTERM, exit "
-                  f"{seen[-1][1]:.2f} s after (code {proc.returncode})", flush=True)
-    print(f"# {trials} trials, {num_envs} envs x 128 steps, {'CUDA' if cuda else 'CPU'}, "
-          f"{os.cpu_count()} cores: worst checkpoint {max(s[0] for s in seen):.2f} s, worst "
-          f"exit {max(s[1] for s in seen):.2f} s after the signal")
+STOPPER = """
+import importlib.util, os, signal, sys, threading, time
+import tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["STOP_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+starts, real_rollout, real_batch = [], P.rollout, P.make_batch
+
+
+def signal_now():
+    with open("sent", "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def rollout(*a, **kw):  # iteration 2: a timer signals half-way through its rollout
+    starts.append(time.perf_counter())
+    if len(starts) == 2 and os.environ["STOP_WHEN"] == "rollout":
+        threading.Timer((starts[1] - starts[0]) / 2, signal_now).start()
+    return real_rollout(*a, **kw)
+
+
+def make_batch(*a, **kw):  # iteration 2: the signal as its rollout ends (the update must run)
+    if len(starts) == 2 and os.environ["STOP_WHEN"] == "update":
+        signal_now()
+    return real_batch(*a, **kw)
+
+
+P.rollout, P.make_batch = rollout, make_batch
+if __name__ == "__main__":
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def stop_latency(trials, num_envs, num_steps, cuda, script):
+    """Seconds from a SIGTERM to the checkpoint it asks for, and to the process's exit: each
+    trial is a run that signals itself in its second iteration, half-way through the rollout
+    (given up: iteration 1 is checkpointed) or as the update begins (the worst case: the update
+    runs to its end). torchrun and SLURM SIGKILL 30 s after their SIGTERM."""
+    flags = ["--num-envs", str(num_envs), "--num-steps", str(num_steps)] + ["--no-cuda"] * (
+        not cuda)
+    seen = {"rollout": [], "update": []}
+    for k in range(trials):
+        for when in seen:
+            with tempfile.TemporaryDirectory() as cwd:
+                with open(os.path.join(cwd, "stopper.py"), "w") as f:
+                    f.write(STOPPER)
+                proc = subprocess.run([sys.executable, "stopper.py", *flags, "--run-name", "t"],
+                                      cwd=cwd, capture_output=True, text=True, env=dict(
+                                          os.environ, STOP_SCRIPT=script, STOP_WHEN=when))
+                ended = time.time()
+                if proc.returncode != 143:
+                    sys.exit(f"the trial exited {proc.returncode}: {proc.stderr[-1500:]}")
+                sent = float(open(os.path.join(cwd, "sent")).read())
+                checkpoint = os.path.join(cwd, "runs", "t", "checkpoint.pt")
+                step = torch.load(checkpoint, weights_only=True)["global_step"]
+                seen[when].append((os.path.getmtime(checkpoint) - sent, ended - sent))
+            print(f"trial {k + 1}, SIGTERM {'mid-rollout' if when == 'rollout' else 'as the '
+                  'update begins'}: checkpoint (step {step:,}) {seen[when][-1][0]:.2f} s after "
+                  f"it, exit {seen[when][-1][1]:.2f} s after", flush=True)
+    print(f"# {trials} trials each, {num_envs} envs x {num_steps} steps, "
+          f"{'CUDA' if cuda else 'CPU'}, {os.cpu_count()} cores: checkpoint at most "
+          f"{max(s[0] for s in seen['rollout']):.2f} s after a signal mid-rollout, "
+          f"{max(s[0] for s in seen['update']):.2f} s after one as the update begins (the worst); "
+          f"exit at most {max(s[1] for v in seen.values() for s in v):.2f} s after")
 
 
 def flops_and_peak(num_envs, device):
@@ -325,6 +362,7 @@ def main():
                         help="print the resident memory of each async env worker, then exit")
     parser.add_argument("--stop-latency", type=int, metavar="TRIALS",
                         help="seconds from SIGTERM to the checkpoint over TRIALS runs, then exit")
+    parser.add_argument("--num-steps", type=int, default=128, help="--stop-latency's rollouts")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -338,7 +376,7 @@ def main():
     if a.worker_memory:
         return worker_memory(a.num_envs)
     if a.stop_latency:
-        return stop_latency(a.stop_latency, a.num_envs, a.cuda)
+        return stop_latency(a.stop_latency, a.num_envs, a.num_steps, a.cuda, a.script)
 
     batch = a.num_envs * 128
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")

@@ -487,6 +487,45 @@ MUTATIONS += [  # one run, one folder, one writer; the warning signals
      '        if "weights_only" in reason:', "        if False:",
      "test_checkpoint.py::test_malicious_pickle_never_runs"),
 ]
+STOPS, FAILURES = "test_preemption.py::", "test_failures.py::"
+MUTATIONS += [  # every stop a stop, every failure says what it cost, output never stops a run
+    ("the first stop signal answered at once",
+     "                if not stop:\n                    say_stopping(", "                if False:"
+     "\n                    say_stopping(", STOPS + "test_a_stop_gives_up_the_rollout_in_progress"
+     "_and_the_first_ctrl_c_is_answered_at_once"),
+    ("a stop gives up the rollout in progress",
+     "        if first is not None and in_rollout(frame):", "        if False:",
+     "test_checkpoint.py::test_a_resume_continues_exactly_where_the_checkpoint_left_off"),
+    ("a given-up rollout checkpoints its iteration's RNG as it began",
+     '        set_rng_state(TRAINER["rng"], next(agent.parameters()).device)', "        pass",
+     "test_checkpoint.py::test_a_resume_continues_exactly_where_the_checkpoint_left_off"),
+    ("never given up inside an async env's step (its pipes half read)",
+     "        if to_give_up and frame.f_code.co_filename.startswith(VECTOR_ENV_CODE):",
+     "        if False:", "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_"
+     "process_group"),
+    ("--checkpoint-minutes checkpoints on time", "    return due.item() > 0",
+     "    return False", STOPS + "test_checkpoint_minutes_bounds_what_a_kill_9_loses"),
+    ("a failed write leaves no temporary file", "            os.remove(temporary)",
+     "            pass", FAILURES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_"
+     "checkpoint_and_leaves_no_temporary"),
+    ("a failed checkpoint write is one line", "        cannot_write(path, storage_error(e))",
+     "        raise", FAILURES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_"
+     "checkpoint_and_leaves_no_temporary"),
+    ("a failed events write is one line", "    except OSError as e:  # an events write",
+     "    except ZeroDivisionError as e:  # an events write", FAILURES + "test_a_full_disk_ends"
+     "_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_temporary"),
+    ("a start needs room for two checkpoints", "    if room < need:", "    if False:",
+     FAILURES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_"
+     "temporary"),
+    ("a read-only run folder is evaluated into runs/ here",
+     "    if not os.access(run_dir, os.W_OK):", "    if False:",
+     FAILURES + "test_a_read_only_run_folder_is_evaluated_with_its_events_under_runs_here"),
+    ("closed output never stops a run",
+     "    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)", "    pass",
+     FAILURES + "test_closed_output_never_stops_a_run"),
+    ("the launch and its run folder in the events", '    writer.add_text("launch", ',
+     '    writer.add_text("started", ', FAILURES + "test_closed_output_never_stops_a_run"),
+]
 
 
 def compare_runs_details(timeout) -> list:

@@ -3,6 +3,7 @@ with the same numbers; async workers serve the trainer through signals and die w
 import gc
 import importlib.util
 import os
+import re
 import signal
 import time
 import weakref
@@ -311,17 +312,20 @@ def test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step(tmp_path):
 
 @pytest.mark.parametrize("when", ["training", "workers starting"])
 def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_path, when):
-    """Two Ctrl-Cs to the process group (a terminal's), async workers: exit 130 with the one
-    line that says so, no worker traceback, no leaked-resource warning, every process of the
-    run gone. While the workers start (their signals blocked), the second still exits before
-    any iteration (it used to become a stop after the first)."""
-    # 512 steps an iteration (about a second): the second Ctrl-C comes while the first's stop
-    # waits for the iteration's end, not after the run has ended (its last teardown, where
-    # Python has given the signals back to the system's default, would end it by SIGINT: -2)
-    proc = launch([*TINY, "--num-steps", "256", "--total-timesteps", "100000", "--env-backend",
-                   "async", "--run-name", "twice"], tmp_path, new_session=True)
+    """Two Ctrl-Cs to the process group (a terminal's), async workers, during an update: the
+    first is answered at once (the stop waits for the update: about how long; a second Ctrl-C
+    quits), the second exits 130 with the line that says so, no worker traceback, no
+    leaked-resource warning, every process of the run gone. While the workers start (their
+    signals blocked), the second still exits before any iteration."""
+    # updates of seconds (100 epochs): the second Ctrl-C comes while the first's stop waits for
+    # the update's end, not after the run has ended (its last teardown, where Python has given
+    # the signals back to the system's default, would end it by SIGINT: -2)
+    proc = launch([*TINY, "--update-epochs", "100", "--num-minibatches", "1", "--total-timesteps",
+                   "100000", "--env-backend", "async", "--run-name", "twice"], tmp_path,
+                  new_session=True)
     assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
         proc.communicate()[1][-2000:]
+    time.sleep(0.5 if when == "training" else 0)  # iteration 2's rollout (64 steps) is done
     deadline = time.time() + 30  # starting: once the fork server, the 2 workers and the tracker
     while when != "training" and len(left_in_session(proc.pid, 0)) < 5 and \
             time.time() < deadline:  # exist, while the workers start and the mask is on
@@ -333,8 +337,13 @@ def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_pa
     assert not left_in_session(proc.pid), "processes of the run outlived it"
     err = open(proc.err).read()  # the workers' and the tracker's stderr too, now all are gone
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
-    assert err.strip().splitlines() == ["second Ctrl-C: exiting now without a checkpoint"], \
-        err[-3000:]
+    first, *rest = err.strip().splitlines()  # the first Ctrl-C's answer, then the second's
+    assert rest == ["", "second Ctrl-C: exiting now without a checkpoint"], err[-3000:]
+    assert re.fullmatch(r"Ctrl-C: stopping: " + (
+        r"the iteration in progress ends \(within about \d+ s, an iteration's time\) and is "
+        r"checkpointed" if when == "training" else r"nothing to checkpoint: it stops at its "
+        r"next step") + r"; a second Ctrl-C quits at once without a checkpoint"
+        r"( \(the last holds step 0\))?", first), first
     if when == "workers starting":
         assert "step " not in out, "an iteration ran between the two Ctrl-Cs"
 

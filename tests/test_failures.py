@@ -51,20 +51,28 @@ def test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no
     (the events fit, a checkpoint does not): exit 1, one line naming the file, the cause and
     the step the checkpoint holds, which loads; no .tmp left. The same command then finds no
     room for two checkpoints and says so in one line, touching nothing; a new run there is
-    refused alike, and leaves no folder."""
+    refused alike, and leaves no folder. A run that checkpoints rarely, its disk filled to the
+    last byte: the events' write fails, in one line too."""
     need("main")
     done = in_small_filesystem('''
+        E=$(mktemp -d); mount -t tmpfs -o size=64m none "$E"
         $RUN --total-timesteps 100000 --checkpoint-interval 1 --runs-dir "$D" --run-name r \
             > out1 2> err1 &
-        while ! grep -q "^step " out1 && kill -0 $! 2>/dev/null; do sleep 0.05; done
+        first=$!
+        $RUN --total-timesteps 100000 --checkpoint-interval 1000 --runs-dir "$E" --run-name r \
+            > out4 2> err4 &
+        while ! grep -q "^step " out1 && kill -0 $first 2>/dev/null; do sleep 0.05; done
         free=$(df --output=avail -k "$D" | tail -1)
         dd if=/dev/zero of="$D/filler" bs=1k count=$((free - 1024)) 2>/dev/null
-        wait $!; echo $? > rc1
+        while ! grep -q "^step " out4 && kill -0 $! 2>/dev/null; do sleep 0.05; done
+        cat /dev/zero > "$E/filler" 2>/dev/null
+        wait $first; echo $? > rc1
         ls -a "$D/r" > listing; cp "$D/r/checkpoint.pt" held.pt
         $RUN --total-timesteps 100000 --checkpoint-interval 1 --runs-dir "$D" --run-name r \
             > out2 2> err2; echo $? > rc2; ls -a "$D/r" > listing2
         $RUN --total-timesteps 64 --runs-dir "$D" --run-name new > out3 2> err3; echo $? > rc3
         ls -a "$D" > listing3
+        wait $!; echo $? > rc4; ls -a "$E/r" > listing4
         ''', tmp_path, 64)
     assert done.returncode == 0, done.stderr
     read = lambda name: (tmp_path / name).read_text()  # noqa: E731
@@ -78,6 +86,10 @@ def test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no
     assert "has room for" in line and "two checkpoints" in line and "free some space" in line
     assert read("rc3").strip() == "1" and "new" not in read("listing3").split(), read("err3")
     assert "or pass --runs-dir on another disk" in one_error_line(read("err3"))
+    assert read("rc4").strip() == "1" and "tmp" not in read("listing4"), read("err4")
+    line = one_error_line(read("err4"))
+    assert line.startswith("error: cannot write the events in ") and "the disk is full" in \
+        line and "holds step " in line, line
 
 
 def test_a_read_only_run_folder_is_evaluated_with_its_events_under_runs_here(tmp_path):
@@ -104,25 +116,23 @@ def test_closed_output_never_stops_a_run(tmp_path):
     the run goes on to its end, exit 0, every iteration logged; its events name the run
     folder. A terminal that hangs up (a pty whose master closes: EIO) likewise."""
     need("main")
-    command = [sys.executable, SCRIPT, *TINY, "--total-timesteps", str(4 * 64)]
-    proc = subprocess.Popen([*command, "--run-name", "piped"], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline()
-    proc.stdout.close()
-    proc.stderr.close()
-    assert proc.wait(timeout=200) == 0
+    command = [sys.executable, SCRIPT, *TINY, "--total-timesteps", str(3 * 64)]
+    piped = subprocess.Popen([*command, "--run-name", "piped"], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     master, slave = pty.openpty()
-    proc = subprocess.Popen([*command, "--run-name", "hung-up"], cwd=tmp_path, stdout=slave,
-                            stderr=slave, stdin=subprocess.DEVNULL)
+    hung_up = subprocess.Popen([*command, "--run-name", "hung-up"], cwd=tmp_path, stdout=slave,
+                               stderr=slave, stdin=subprocess.DEVNULL)
     os.close(slave)
-    assert os.read(master, 100)
+    assert piped.stdout.readline() and os.read(master, 100)
+    for closed in (piped.stdout, piped.stderr):
+        closed.close()
     os.close(master)
-    assert proc.wait(timeout=200) == 0
+    assert piped.wait(timeout=200) == 0 and hung_up.wait(timeout=200) == 0
     for name in ("piped", "hung-up"):
         run = tmp_path / "runs" / name
-        assert P.load_checkpoint(str(run))["global_step"] == 4 * 64, name
+        assert P.load_checkpoint(str(run))["global_step"] == 3 * 64, name
         acc = EventAccumulator(str(run), size_guidance={"tensors": 0})
         acc.Reload()
-        assert [e.step for e in acc.Scalars("charts/SPS")] == [64, 128, 192, 256], name
+        assert [e.step for e in acc.Scalars("charts/SPS")] == [64, 128, 192], name
         (launch,) = acc.Tensors("launch/text_summary")
         assert str(run) in launch.tensor_proto.string_val[0].decode(), name

@@ -374,14 +374,14 @@ def killed_at(cwd, kill_at, args=JOB, **env):
 
 
 def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
-    """A signal mid-run asks for a stop at the end of the iteration; an error before then is a
-    bug of its own, shown with its traceback, not taken for a signalled start-up."""
-    need("main")  # the harness wraps rollout whatever its arguments (a recurrent fork adds some)
-    need(what="a function rollout that train calls once per iteration",
-         problem=None if callable(getattr(P, "rollout", None)) else "this copy has none")
+    """A signal during an update asks for a stop at the end of the iteration; an error before
+    then is a bug of its own, shown with its traceback, not taken for a signalled start-up."""
+    need("main")  # the harness wraps update whatever its arguments
+    need(what="a function update that train calls once per iteration",
+         problem=None if callable(getattr(P, "update", None)) else "this copy has none")
     need(what="catch_stop_signals() -> (the list a signal is recorded in, release)",
          problem=None if callable(getattr(P, "catch_stop_signals", None)) else "none here")
-    out = killed_at(tmp_path, "call:rollout:2", SIGNAL="SIGTERM", THEN_RAISE="1")
+    out = killed_at(tmp_path, "call:update:2", SIGNAL="SIGTERM", THEN_RAISE="1")
     assert "RuntimeError: the signal was never recorded" not in out.stderr, out.stderr[-2000:]
     assert out.returncode == 1, (f"exit {out.returncode}: a bug raised after the signal was "
                                  f"recorded must exit 1 with its traceback", out.stderr[-2000:])
@@ -417,14 +417,14 @@ def stderr_line(proc, text: str, seconds: float = 10.0) -> tuple[str | None, flo
 
 def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once(
         tmp_path):
-    """Iterations of 1,024 steps (rollouts of seconds): a Ctrl-C as iteration 2's rollout starts
-    is answered on stderr at once (the rollout given up; a second Ctrl-C quits without a
-    checkpoint; the last holds step 0), and the run exits 130 with iteration 1's checkpoint,
-    not iteration 2's."""
+    """Iterations of 512 steps (rollouts of a second and more): a Ctrl-C as iteration 2's
+    rollout starts is answered on stderr at once (the rollout given up; a second Ctrl-C quits
+    without a checkpoint; the last holds step 0), and the run exits 130 with iteration 1's
+    checkpoint, not iteration 2's."""
     need("main")
-    proc = launch([*TINY, "--num-steps", "512", "--update-epochs", "1", "--total-timesteps",
+    proc = launch([*TINY, "--num-steps", "256", "--update-epochs", "1", "--total-timesteps",
                    "100000", "--run-name", "long"], tmp_path)
-    assert proc.line_starting("step 1,024/"), proc.communicate()[1][-2000:]
+    assert proc.line_starting("step 512/"), proc.communicate()[1][-2000:]
     sent = time.time()
     proc.send_signal(signal.SIGINT)
     line, answered = stderr_line(proc, "Ctrl-C: stopping")
@@ -435,31 +435,9 @@ def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answere
     assert "the rollout in progress is given up" in line and "a second Ctrl-C quits at once " \
         "without a checkpoint (the last holds step 0)" in line, line
     held = P.load_checkpoint(str(tmp_path / "runs" / "long"))
-    assert held["global_step"] == 1024 and "stopped at step 1,024 of 100,000 by SIGINT" in out, (
+    assert held["global_step"] == 512 and "stopped at step 512 of 100,000 by SIGINT" in out, (
         f"the checkpoint holds step {held['global_step']} {ended - sent:.1f} s after the "
         f"Ctrl-C: the stop waited for the rollout in progress")
-
-
-def test_a_ctrl_c_during_an_update_says_how_long_it_waits_and_a_second_quits_at_once(tmp_path):
-    """Updates of seconds (100 epochs): a Ctrl-C during one is answered at once with about how
-    long the iteration takes; a second Ctrl-C quits at once, the checkpoint untouched."""
-    need("main")
-    proc = launch([*TINY, "--update-epochs", "100", "--num-minibatches", "1",
-                   "--total-timesteps", "100000", "--run-name", "slow"], tmp_path)
-    assert proc.line_starting("step 64/"), proc.communicate()[1][-2000:]
-    before = listing(tmp_path / "runs" / "slow")
-    time.sleep(0.5)  # iteration 2's rollout (64 steps) is done: the update runs
-    sent = time.time()
-    proc.send_signal(signal.SIGINT)
-    line, answered = stderr_line(proc, "Ctrl-C: stopping")
-    assert line is not None and answered - sent < 2, proc.communicate()[1][-2000:]
-    assert re.search(r"the iteration in progress ends \(within about \d+ s, an iteration's "
-                     r"time\) and is checkpointed; a second Ctrl-C quits at once without a "
-                     r"checkpoint \(the last holds step 0\)", line), line
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "second Ctrl-C: exiting now" in err, err[-2000:]
-    assert time.time() - answered < 2 and listing(tmp_path / "runs" / "slow") == before
 
 
 def test_checkpoint_minutes_bounds_what_a_kill_9_loses(tmp_path):
