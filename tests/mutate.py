@@ -501,8 +501,8 @@ MUTATIONS += [  # every stop a stop, every failure says what it cost, output nev
      "test_checkpoint.py::test_a_resume_continues_exactly_where_the_checkpoint_left_off"),
     ("never given up inside an async env's step (its pipes half read)",
      "        if to_give_up and frame.f_code.co_filename.startswith(VECTOR_ENV_CODE):",
-     "        if False:", "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_"
-     "process_group"),
+     "        if False:", "test_backends.py::test_a_stop_inside_an_async_step_waits_for_the_"
+     "step_then_gives_the_rollout_up"),
     ("--checkpoint-minutes checkpoints on time", "    return due.item() > 0",
      "    return False", STOPS + "test_checkpoint_minutes_bounds_what_a_kill_9_loses"),
     ("a failed write leaves no temporary file", "            os.remove(temporary)",

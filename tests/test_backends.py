@@ -183,6 +183,48 @@ if __name__ == "__main__":  # env workers import this file as their main module
 """
 
 
+SIGNAL_IN_STEP = """
+import importlib.util, os, signal, sys
+import gymnasium as gym, tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+class Pipe:  # env 1's pipe: its 40th answer (iteration 2's 4th step) comes with a SIGTERM
+    def __init__(self, pipe):
+        self.pipe, self.answers = pipe, 0
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+    def recv(self):
+        self.answers += 1
+        if self.answers == 40:  # (after env 0's answer: the step's answers half read)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.pipe.recv()
+real_init = gym.vector.AsyncVectorEnv.__init__
+def init(self, *a, **kw):
+    real_init(self, *a, **kw)
+    self.parent_pipes[1] = Pipe(self.parent_pipes[1])
+gym.vector.AsyncVectorEnv.__init__ = init
+if __name__ == "__main__":  # env workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def test_a_stop_inside_an_async_step_waits_for_the_step_then_gives_the_rollout_up(tmp_path):
+    """A SIGTERM while the trainer reads the workers' answers to a step: given up there, the
+    answers would be left half read and closing the envs would wait forever; the rollout is
+    given up once the step is read: exit 143, iteration 1's checkpoint, no process left."""
+    need("main")
+    (tmp_path / "signaller.py").write_text(SIGNAL_IN_STEP)
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
+                   "--run-name", "r"], tmp_path, script=tmp_path / "signaller.py",
+                  new_session=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "by SIGTERM; checkpoint written" in out, err[-2000:]
+    assert P.load_checkpoint(str(tmp_path / "runs" / "r"))["global_step"] == 64
+    assert not left_in_session(proc.pid), "processes of the run outlived it"
+
+
 def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
     """The workers ignore SIGTERM (they outlive it for the trainer's checkpoint); a trainer that
     crashes while they serve it must still exit at once instead of waiting out their 60 s."""
