@@ -237,7 +237,7 @@ spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["STOP_SCRI
 P = importlib.util.module_from_spec(spec)
 sys.modules["ppo_atari"] = P
 spec.loader.exec_module(P)
-starts, real_rollout, real_batch = [], P.rollout, P.make_batch
+starts, took, real_rollout, real_batch = [], [], P.rollout, P.make_batch
 
 
 def signal_now():
@@ -249,8 +249,10 @@ def signal_now():
 def rollout(*a, **kw):  # iteration 2: a timer signals half-way through its rollout
     starts.append(time.perf_counter())
     if len(starts) == 2 and os.environ["STOP_WHEN"] == "rollout":
-        threading.Timer((starts[1] - starts[0]) / 2, signal_now).start()
-    return real_rollout(*a, **kw)
+        threading.Timer(took[0] / 2, signal_now).start()
+    out = real_rollout(*a, **kw)
+    took.append(time.perf_counter() - starts[-1])
+    return out
 
 
 def make_batch(*a, **kw):  # iteration 2: the signal as its rollout ends (the update must run)
@@ -288,9 +290,10 @@ def stop_latency(trials, num_envs, num_steps, cuda, script):
                 checkpoint = os.path.join(cwd, "runs", "t", "checkpoint.pt")
                 step = torch.load(checkpoint, weights_only=True)["global_step"]
                 seen[when].append((os.path.getmtime(checkpoint) - sent, ended - sent))
-            print(f"trial {k + 1}, SIGTERM {'mid-rollout' if when == 'rollout' else 'as the '
-                  'update begins'}: checkpoint (step {step:,}) {seen[when][-1][0]:.2f} s after "
-                  f"it, exit {seen[when][-1][1]:.2f} s after", flush=True)
+            what = "mid-rollout" if when == "rollout" else "as the update begins"
+            print(f"trial {k + 1}, SIGTERM {what}: checkpoint (step {step:,}) "
+                  f"{seen[when][-1][0]:.2f} s after it, exit {seen[when][-1][1]:.2f} s after",
+                  flush=True)
     print(f"# {trials} trials each, {num_envs} envs x {num_steps} steps, "
           f"{'CUDA' if cuda else 'CPU'}, {os.cpu_count()} cores: checkpoint at most "
           f"{max(s[0] for s in seen['rollout']):.2f} s after a signal mid-rollout, "
