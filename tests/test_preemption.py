@@ -440,6 +440,24 @@ def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answere
         f"Ctrl-C: the stop waited for the rollout in progress")
 
 
+def test_a_stop_mid_rollout_in_a_train_whose_variables_were_renamed_says_so(capsys):
+    """What a stop mid-rollout checkpoints is read from the variables of the train() main
+    called; a fork's that renamed them ends in one line with the step the checkpoint holds."""
+    need(what="GiveUpRollout and stop_in_rollout", problem=None if hasattr(
+        P, "stop_in_rollout") else "none here")
+
+    def forks_train():
+        model, steps = None, 0  # agent, global_step under other names
+        raise P.GiveUpRollout(signal.SIGTERM)
+    try:
+        forks_train()
+    except P.GiveUpRollout as stop:
+        with pytest.raises(SystemExit) as stopped:
+            P.stop_in_rollout(stop)
+    assert stopped.value.code == 143
+    assert "renamed what a stop checkpoints" in capsys.readouterr().err
+
+
 def test_checkpoint_minutes_bounds_what_a_kill_9_loses(tmp_path):
     """--checkpoint-interval 1000 with --checkpoint-minutes 0.001 (0.06 s): by the first progress
     line's end of iteration a checkpoint is written, which a kill -9 keeps."""
