@@ -879,6 +879,7 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 store=dist.PrefixStore(f"ppo_atari/generation{generation}", store))
+        TRAINER["store"] = dist.PrefixStore(f"ppo_atari/stops{generation}/", store)
         if rank == 0:  # beating until every rank checked in: torch's wait fails at the timeout
             store.wait([f"ppo_atari/in{generation}/{r}" for r in range(1, world_size)], timeout)
     finally:
@@ -897,8 +898,8 @@ def any_rank_signalled(signals: list, world_size: int, device) -> bool:
     as an iteration ends: keeps its time and (one process) its RNG, as a checkpoint holds it."""
     now = time.perf_counter()
     TRAINER["iteration_s"], TRAINER["ended"] = now - TRAINER.get("ended", now), now
+    TRAINER["rng"], TRAINER["iterations"] = rng_state(device), TRAINER.get("iterations", 0) + 1
     if world_size == 1:
-        TRAINER["rng"] = rng_state(device)
         return bool(signals)
     flag = torch.tensor(float(bool(signals)), device=device)
     dist.all_reduce(flag)
@@ -1136,19 +1137,19 @@ def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> di
         envs.close()
         fail(f"{what} is a {kind}, which a checkpoint cannot hold: keep it as numbers, str, None,"
              f" numpy numbers or arrays, tensors, or lists, tuples and dicts of them")
-    if world_size > 1 and not gather:
-        return None
+    TRAINER["states"], TRAINER["carry"] = states, copy.deepcopy(carry)  # for a stop mid-rollout
+    return all_ranks_statistics(states, world_size) if gather else None
+
+
+def all_ranks_statistics(states: list, world_size: int) -> dict:
+    """wrapper_statistics' answer from this rank's envs' states (every rank calls it)."""
     numbers = states[0]["numbers"]
     if world_size > 1:  # every rank's envs, rank 0's first
         gathered = [None] * world_size
         dist.all_gather_object(gathered, states)
         states = [env for part in gathered for env in part]
     keys = dict.fromkeys(key for env in states for key in env["state"])
-    env_state = {key: [env["state"].get(key) for env in states] for key in keys} | {
-        "numbers": numbers}
-    if world_size == 1:  # what a stop in the next rollout checkpoints
-        TRAINER["env_state"], TRAINER["carry"] = env_state, copy.deepcopy(carry)
-    return env_state if gather else None
+    return {key: [env["state"].get(key) for env in states] for key in keys} | {"numbers": numbers}
 
 
 def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
@@ -1458,7 +1459,7 @@ def catch_stop_signals():
 
     def give_up_rollout(signum, frame):
         first = stop[0] if stop else signum if signum in STOP_SIGNALS else None
-        if first is not None and in_rollout(frame):
+        if first is not None and in_rollout(frame) and all_ranks_give_up():
             TRAINER["given_up"] = True  # (for say_stopping, should it look after this)
             raise GiveUpRollout(first)
 
@@ -1479,10 +1480,10 @@ VECTOR_ENV_CODE = os.path.dirname(gym.vector.__file__)
 
 
 def in_rollout(frame, to_give_up=True) -> bool:
-    """Whether frame is in rollout, in a process of its own (torchrun's ranks stop together);
+    """Whether frame is in rollout (under torchrun: with the store the ranks agree through);
     to_give_up: and not in a call of the vector env (an async one's pipes left half read)."""
     inside = False
-    while frame is not None and not dist.is_initialized():
+    while frame is not None and (not dist.is_initialized() or "store" in TRAINER):
         if to_give_up and frame.f_code.co_filename.startswith(VECTOR_ENV_CODE):
             return False
         inside = inside or frame.f_code is rollout.__code__
@@ -1490,11 +1491,37 @@ def in_rollout(frame, to_give_up=True) -> bool:
     return inside
 
 
+def all_ranks_give_up() -> bool:
+    """Whether every rank gives up this iteration's rollout: one process, yes; under torchrun
+    only if every rank asks within 2 s (a rank past its rollout waits in a collective), agreed
+    once an iteration through torchrun's store (the first rank to decide, decides)."""
+    if not dist.is_initialized():
+        return True
+    key = str(TRAINER.get("iterations", 0))
+    if TRAINER.get("asked") == key:  # once an iteration (a handler run inside this one: no)
+        return TRAINER["answer"]
+    TRAINER["asked"], TRAINER["answer"] = key, False
+    store, deadline = TRAINER["store"], time.monotonic() + 2
+    decision = "1" if store.add(f"asking{key}", 1) == dist.get_world_size() else ""
+    while not decision and not store.check([f"decided{key}"]):
+        if time.monotonic() > deadline:
+            decision = "0"
+        time.sleep(0.02)
+    TRAINER["answer"] = store.compare_set(f"decided{key}", "", decision or "0") == b"1"
+    return TRAINER["answer"]
+
+
 def say_stopping(signum: int, frame):
-    """The answer to a first stop signal, at once: what the run does now, and what it costs."""
+    """The answer to a first stop signal, at once: what the run does now, and what it costs (by
+    rank 0 alone under torchrun)."""
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return
     name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     if "ended" not in TRAINER:  # not training yet, or evaluating
         what = "nothing to checkpoint: it stops at its next step"
+    elif dist.is_initialized() and in_rollout(frame, to_give_up=False):
+        what = ("the ranks give up the rollout in progress if all are in it (else the iteration "
+                "ends) and the last whole iteration is checkpointed")
     elif in_rollout(frame, to_give_up=False) or "given_up" in TRAINER:
         what = "the rollout in progress is given up and the last whole iteration checkpointed"
     else:
@@ -1517,16 +1544,19 @@ def stop_in_rollout(stop: GiveUpRollout):
             "writer"} <= set(trainer):
         fail(f"stopped in a rollout; a fork's train() renamed what a stop checkpoints, so the "
              f"checkpoint holds step {held}", code=128 + signum)
-    args, run_dir, step = trainer["args"], trainer["run_dir"], trainer["global_step"]
-    close(trainer["envs"], None)
-    if step != held:  # the end of the last whole iteration, as it was
+    args, run_dir, step, writer = (trainer[k] for k in ("args", "run_dir", "global_step", "writer"))
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    env_state = all_ranks_statistics(TRAINER["states"], world_size) if "states" in TRAINER \
+        else None  # (none before a first whole iteration: the checkpoint holds the start)
+    if writer is not None and step != held:  # rank 0: the last whole iteration, as it ended
         agent = trainer["agent"]
         set_rng_state(TRAINER["rng"], next(agent.parameters()).device)
-        trainer["writer"].flush()  # the logs reach as far as the checkpoint
-        save_checkpoint(run_dir, agent, trainer["optimizer"], TRAINER["env_state"], args, step,
+        writer.flush()  # the logs reach as far as the checkpoint
+        save_checkpoint(run_dir, agent, trainer["optimizer"], env_state, args, step,
                         trainer["iteration"] - 1, trainer["recent"], TRAINER["carry"])
-    trainer["writer"].close()
-    say_how_to_continue(run_dir, args, step, signal.Signals(signum).name, False, 1)
+    close(trainer["envs"], writer)
+    if writer is not None:
+        say_how_to_continue(run_dir, args, step, signal.Signals(signum).name, False, world_size)
     raise SystemExit(128 + signum)
 
 

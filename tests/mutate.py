@@ -494,7 +494,8 @@ MUTATIONS += [  # every stop a stop, every failure says what it cost, output nev
      "\n                    say_stopping(", STOPS + "test_a_stop_gives_up_the_rollout_in_progress"
      "_and_the_first_ctrl_c_is_answered_at_once"),
     ("a stop gives up the rollout in progress",
-     "        if first is not None and in_rollout(frame):", "        if False:",
+     "        if first is not None and in_rollout(frame) and all_ranks_give_up():",
+     "        if False:",
      "test_checkpoint.py::test_a_resume_continues_exactly_where_the_checkpoint_left_off"),
     ("a given-up rollout checkpoints its iteration's RNG as it began",
      '        set_rng_state(TRAINER["rng"], next(agent.parameters()).device)', "        pass",
@@ -525,6 +526,14 @@ MUTATIONS += [  # every stop a stop, every failure says what it cost, output nev
      FAILURES + "test_closed_output_never_stops_a_run"),
     ("the launch and its run folder in the events", '    writer.add_text("launch", ',
      '    writer.add_text("started", ', FAILURES + "test_closed_output_never_stops_a_run"),
+    ("torchrun's ranks give a rollout up together",
+     '    while frame is not None and (not dist.is_initialized() or "store" in TRAINER):',
+     "    while frame is not None and not dist.is_initialized():",
+     STOPS + "test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process"),
+    ("a rank gives a rollout up only if every rank does",
+     '    decision = "1" if store.add(f"asking{key}", 1) == dist.get_world_size() else ""',
+     '    decision = "1"', STOPS + "test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_"
+     "same_iteration"),
 ]
 
 

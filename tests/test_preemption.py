@@ -512,18 +512,20 @@ def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_
 
 
 def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):
-    """torchrun --standalone, two ranks with async envs, SIGTERM to the agent (a scheduler's
-    stop): each rank finishes its iteration, rank 0 writes the checkpoint and prints the line
-    that continues the run (torchrun's own --standalone in it); no worker traceback, no
+    """torchrun --standalone, two ranks with async envs and rollouts of seconds, SIGTERM to the
+    agent (a scheduler's stop) as iteration 2's rollouts begin: the ranks agree to give them up
+    (not inside an async step), rank 0 writes iteration 1's checkpoint and prints the line that
+    continues the run (torchrun's own --standalone in it); no worker traceback, no
     leaked-resource warning, every process of the job gone. The agent itself exits 1 with its
     SignalException traceback: torch's elastic agent raises it after passing the signal on
     (torch 2.13), which the file cannot change; README says so. Ctrl-C under torchrun: the
     two-node test below."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         SCRIPT, *TINY, "--total-timesteps", "100000", "--env-backend", "async",
-         "--run-name", "tr"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+         SCRIPT, *TINY, "--num-steps", "256", "--update-epochs", "1", "--total-timesteps",
+         "100000", "--env-backend", "async", "--run-name", "tr"], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         for line in proc.stdout:
             if line.startswith("step "):
@@ -540,7 +542,9 @@ def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process
     (resume,) = [x.split("continue with: ", 1)[1] for x in out.splitlines()
                  if "continue with: " in x]
     assert resume.startswith("torchrun --standalone --nproc_per_node 2 "), resume
-    assert P.load_checkpoint(str(tmp_path / "runs" / "tr"))["global_step"] >= 2 * ITER
+    held = P.load_checkpoint(str(tmp_path / "runs" / "tr"))
+    assert held["global_step"] == 1024 and len(held["env_statistics"][
+        "RecordEpisodeStatistics.episode_count"]) == 4, (held["global_step"], "not iteration 1")
 
 
 def test_a_two_node_torchrun_job_stopped_with_async_workers(tmp_path):
