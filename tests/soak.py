@@ -4,7 +4,8 @@ command, until the run finishes.
     python tests/soak.py --signals 50 --backend sync
     python tests/soak.py --signals 50 --backend async --script ~/my-experiment/ppo_atari.py
 
-One --run-name run of a tiny configuration (2 envs x 32 steps, a checkpoint every iteration) in
+One --run-name run of a tiny configuration (2 envs x 32 steps, a checkpoint every
+--checkpoint-interval iterations: 1, or more, where most stops mid-rollout write their own) in
 a temporary folder. Each launch of the same command gets one signal, SIGKILL, SIGTERM or SIGINT
 (chosen at random), sent to its process group after a random delay (0 to --window seconds from
 the launch: start-up, training, checkpoints, the end); then the script waits for it to exit and
@@ -44,6 +45,8 @@ def main():
     parser.add_argument("--backend", choices=["sync", "async"], default="sync")
     parser.add_argument("--iterations", type=int, default=400, help="the run's length")
     parser.add_argument("--window", type=float, default=8.0, help="the latest delay, seconds")
+    parser.add_argument("--checkpoint-interval", type=int, default=1,
+                        help="more than 1: a stop mid-rollout writes a checkpoint of its own")
     parser.add_argument("--seed", type=int, default=0, help="of the delays and signals")
     parser.add_argument("--max-seconds", type=float, default=3600)
     parser.add_argument("--script", default=os.path.join(ROOT, "ppo_atari.py"))
@@ -56,7 +59,8 @@ def main():
     total = a.iterations * ITER
     with tempfile.TemporaryDirectory() as cwd:
         command = [sys.executable, os.path.abspath(a.script), *TINY, "--total-timesteps",
-                   str(total), "--checkpoint-interval", "1", "--run-name", "soak",
+                   str(total), "--checkpoint-interval", str(a.checkpoint_interval),
+                   "--run-name", "soak",
                    "--env-backend", a.backend]
         sent, exits = collections.Counter(), collections.Counter()
         for _ in range(a.signals):
