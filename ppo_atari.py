@@ -1523,11 +1523,11 @@ def say_stopping(signum: int, frame):
         what = ("the ranks give up the rollout in progress if all are in it (else the iteration "
                 "ends) and the last whole iteration is checkpointed")
     elif in_rollout(frame, to_give_up=False) or "given_up" in TRAINER:
-        what = "the rollout in progress is given up and the last whole iteration checkpointed"
+        what = "the rollout in progress is given up and the last whole iteration checkpointed now"
     else:
         what = "the iteration in progress ends ({}) and is checkpointed".format(
             f"within about {TRAINER['iteration_s']:.0f} s, an iteration's time"
-            if "iteration_s" in TRAINER else "its first")
+            if "iteration_s" in TRAINER else "the first, not timed yet")
     held = TRAINER.get("saved_step")
     second = "; a second Ctrl-C quits at once without a checkpoint" + (
         f" (the last holds step {held:,})" if held is not None else "")
