@@ -1427,8 +1427,8 @@ def catch_stop_signals():
     """Returns (list, release): a thread appends each stop signal read from the wakeup fd and
     answers the first at once; a second Ctrl-C exits at once; a signal ignored at start (`cmd &`,
     nohup) stays so. A stop during a rollout gives it up: the handler raises GiveUpRollout in the
-    main thread, where it runs between bytecodes; the thread nudges it (SIGURG's handler) every
-    50 ms until the main thread is out of the way."""
+    main thread, where it runs between bytecodes; every 20 ms the thread nudges it (SIGURG's
+    handler) while the main thread is in the rollout but out of the vector env's calls."""
     if threading.current_thread() is not threading.main_thread():
         print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
               "caller", flush=True)
@@ -1441,8 +1441,9 @@ def catch_stop_signals():
         while True:
             try:
                 data = reader.recv(64)  # one byte per signal, each delivery
-            except TimeoutError:  # (a stop came)
-                _thread.interrupt_main(signal.SIGURG)
+            except TimeoutError:  # (a stop came) the handler nudged where it can give up the
+                if in_rollout(sys._current_frames().get(main_thread)):  # rollout (it checks
+                    _thread.interrupt_main(signal.SIGURG)  # again: the main thread moves on)
                 continue
             if not data:
                 break
@@ -1454,7 +1455,7 @@ def catch_stop_signals():
                 if not stop:
                     say_stopping(signum, sys._current_frames().get(main_thread))
                 stop.append(signum)
-                reader.settimeout(0.05)
+                reader.settimeout(0.02)
         reader.close()
 
     def give_up_rollout(signum, frame):

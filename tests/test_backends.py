@@ -190,14 +190,14 @@ spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI
 P = importlib.util.module_from_spec(spec)
 sys.modules["ppo_atari"] = P
 spec.loader.exec_module(P)
-class Pipe:  # env 1's pipe: its 40th answer (iteration 2's 4th step) comes with a SIGTERM
+class Pipe:  # env 1's pipe: its 140th answer (iteration 2's 7th step) comes with a SIGTERM
     def __init__(self, pipe):
         self.pipe, self.answers = pipe, 0
     def __getattr__(self, name):
         return getattr(self.pipe, name)
     def recv(self):
         self.answers += 1
-        if self.answers == 40:  # (after env 0's answer: the step's answers half read)
+        if self.answers == 140:  # (after env 0's answer: the step's answers half read)
             os.kill(os.getpid(), signal.SIGTERM)
         return self.pipe.recv()
 real_init = gym.vector.AsyncVectorEnv.__init__
@@ -216,12 +216,12 @@ def test_a_stop_inside_an_async_step_waits_for_the_step_then_gives_the_rollout_u
     given up once the step is read: exit 143, iteration 1's checkpoint, no process left."""
     need("main")
     (tmp_path / "signaller.py").write_text(SIGNAL_IN_STEP)
-    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
-                   "--run-name", "r"], tmp_path, script=tmp_path / "signaller.py",
+    proc = launch([*TINY, "--num-steps", "128", "--total-timesteps", "100000", "--env-backend",
+                   "async", "--run-name", "r"], tmp_path, script=tmp_path / "signaller.py",
                   new_session=True)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "by SIGTERM; checkpoint written" in out, err[-2000:]
-    assert P.load_checkpoint(str(tmp_path / "runs" / "r"))["global_step"] == 64
+    assert P.load_checkpoint(str(tmp_path / "runs" / "r"))["global_step"] == 256
     assert not left_in_session(proc.pid), "processes of the run outlived it"
 
 
