@@ -647,12 +647,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             break
 
     close(envs, writer)
-    if rank == 0:
-        say_how_to_continue(run_dir, args, global_step, stopped and (signal.Signals(
-            signals[0]).name if signals else "a signal to another rank"),
-            at_stop and iteration < num_iterations, world_size)
-    if stopped:  # 130, 143: as the signal's default action would exit (a preempted job)
-        raise SystemExit(128 + (signals or [signal.SIGTERM])[0])
+    end_run(run_dir, args, global_step, signals if stopped else None,
+            at_stop and iteration < num_iterations, rank, world_size)
     return agent
 
 
@@ -1274,6 +1270,19 @@ def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str
         print(f"stopped at step {global_step:,} of {args.total_timesteps:,} by "
               f"{stopped or '--stop-at-step'}; checkpoint written; continue with: {resume}",
               flush=True)
+
+
+def end_run(run_dir: str, args: Args, global_step: int, signals: list | None,
+            stopped_early: bool, rank: int, world_size: int):
+    """Rank 0 says where the run is (and how to continue it when stopped); stopped by a signal
+    (signals: this rank's, empty if another rank's), exits 128 + n as its default action would
+    (130, 143: a preempted job)."""
+    if rank == 0:
+        say_how_to_continue(run_dir, args, global_step, signals is not None and (signal.Signals(
+            signals[0]).name if signals else "a signal to another rank"), stopped_early,
+            world_size)
+    if signals is not None:
+        raise SystemExit(128 + (signals or [signal.SIGTERM])[0])
 
 
 def close(envs, writer):
