@@ -230,10 +230,10 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())",
      "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
     ("a crash after a mid-run signal keeps its traceback",
-     "        return train(args, ckpt, device, signals, rank, world_size)\n    finally:\n",
+     "        return train(args, ckpt, device, signals, rank, world_size)\n    except GiveUpRollout",
      "        return train(args, ckpt, device, signals, rank, world_size)\n    except Exception:\n"
      "        if not signals:\n            raise\n        raise SystemExit(128 + signals[0])\n"
-     "    finally:\n",
+     "    except GiveUpRollout",
      "test_preemption.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback"),
     ("evaluation on another id of the agent's game",
      '    env_id = args.env_id if "env_id" in explicit else trained\n',
@@ -379,9 +379,9 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
      "iteration"),
     ("the wakeup fd before the handlers",
      "    old_fd = signal.set_wakeup_fd(writer.fileno())  # first: a signal the handlers get is "
-     "written\n    old = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS\n"
-     "           if signal.getsignal(s) != signal.SIG_IGN}\n",
-     "    old = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS\n"
+     "written\n    old = {s: signal.signal(s, give_up_rollout) for s in (*STOP_SIGNALS, "
+     "signal.SIGURG)\n           if signal.getsignal(s) != signal.SIG_IGN}\n",
+     "    old = {s: signal.signal(s, give_up_rollout) for s in (*STOP_SIGNALS, signal.SIGURG)\n"
      "           if signal.getsignal(s) != signal.SIG_IGN}\n"
      "    old_fd = signal.set_wakeup_fd(writer.fileno())\n",
      "test_entry_points.py::test_signals_reach_the_wakeup_fd_from_the_first_handler_on"),
