@@ -10,7 +10,6 @@ Above THE FENCE, in CleanRL's order, the PPO a fork edits: Args, the Atari wrapp
 network, GAE and the loss, the phases of an iteration, the loop. Below it, the machinery a fork
 leaves alone. Tested with Python 3.11-3.13, torch 2.13 and 2.11, gymnasium 1.4, ale-py 0.12.
 """
-import _thread
 import atexit
 import collections
 import contextlib
@@ -20,9 +19,12 @@ import datetime
 import errno
 import fcntl
 import gc
+import functools
 import glob
+import hashlib
 import importlib.util
 import math
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import random
@@ -34,7 +36,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 # before torch loads OpenMP: idle threads sleep, so runs sharing cores do not starve each other
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -51,16 +53,6 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 gym.register_envs(ale_py)
 ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner at every start; errors show
-
-
-# What a resume may change (not the network, game or optimisation so far); LAUNCH_ONLY: unsaved
-LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads", "runs_dir"}
-RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval",
-                                    "checkpoint_minutes", "track",
-                                    "wandb_project_name", "wandb_entity", "capture_video",
-                                    "compile", "env_backend", "run_name", "dist_timeout"}
-RESUME_HELP = "a run folder or checkpoint to continue; it may change only " + ", ".join(
-    f"--{name.replace('_', '-')}" for name in sorted(RESUME_OVERRIDABLE - {"resume"}))
 
 
 @dataclasses.dataclass
@@ -127,8 +119,13 @@ class Args:
     """the run folder RUNS_DIR/RUN_NAME, which the same command continues; None: a new dated name"""
     runs_dir: str = "runs"
     """where run folders are made (a job script pins it whatever directory it starts in)"""
-    resume: Annotated[str | None, tyro.conf.arg(help=RESUME_HELP)] = None
-    """a run folder or checkpoint to continue (--help lists what it may change)"""
+    resume: str | None = None
+    """a run folder or checkpoint to continue; it may change only --allow-other-file,
+    --capture-video, --checkpoint-interval, --checkpoint-minutes, --compile, --cuda,
+    --dist-timeout, --env-backend, --run-name, --runs-dir, --stop-at-step, --threads,
+    --total-timesteps, --track, --wandb-entity, --wandb-project-name"""
+    allow_other_file: bool = False
+    """True: continue a run that another file, or this one with another core, trained"""
     stop_at_step: int | None = None
     """stop with a checkpoint once this many steps are done, the schedule still to the total"""
     checkpoint_interval: int = 50
@@ -278,12 +275,13 @@ def make_envs(args: Args, seed: int, video_folder: str | None = None, every_game
     """The vector env over the wrappers above. Same-step autoreset: a finished env is reset inside
     step() and its new first obs returned, so no reset transition enters a batch."""
     use_async = choose_backend(args) == "async"  # auto: by the device and the cores
-    thunks = [make_env(args.env_id, seed + i, video_folder if i == 0 else None, every_game)
-              for i in range(args.num_envs)]
+    # with_state_access (below the fence): checkpoints reach each env's wrapper state
+    thunks = [with_state_access(make_env(args.env_id, seed + i, video_folder if i == 0 else None,
+                                         every_game), i) for i in range(args.num_envs)]
     same_step = gym.vector.AutoresetMode.SAME_STEP
     if use_async:  # a process per env, started by start_workers (below the fence)
-        envs = start_workers(lambda worker: gym.vector.AsyncVectorEnv(
-            thunks, autoreset_mode=same_step, context="forkserver", copy=False, worker=worker))
+        envs = start_workers(lambda: gym.vector.AsyncVectorEnv(
+            thunks, autoreset_mode=same_step, context="forkserver", copy=False))
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=same_step, copy=False)
     shape = envs.single_observation_space.shape
@@ -424,23 +422,27 @@ def make_storage(obs_shape: tuple, num_steps: int, num_envs: int, device) -> dic
 
 
 def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_step: int,
-            steps_per_step: int):
+            steps_per_step: int, stop=()):
     """num_steps vector steps with the current policy, into storage. Returns the observation
-    after the last step, the finished games [(global_step, score, length)] and global_step."""
-    games = []
+    after the last step, the finished games [(global_step, score, length)] and global_step;
+    once `stop` holds a stop signal, (None, [], the global_step it started at): given up."""
+    games, start = [], global_step
     for step in range(storage["obs"].shape[0]):
+        if stop:  # checked between env steps, never inside one: train checkpoints what it had
+            return None, [], start
         global_step += steps_per_step  # envs x processes
         storage["obs"][step] = next_obs
         with torch.inference_mode(), autocast:
             action, logprob, _, value = policy(next_obs)
         # sync point, the only one per step: the envs need the actions on the host
         actions_np = action.cpu().numpy()
-        if hasattr(envs, "step_async"):  # async: the workers step while storage is written
+        overlap = isinstance(envs, gym.vector.AsyncVectorEnv)  # (a vector wrapper: its step)
+        if overlap:  # async: the workers step while storage is written
             envs.step_async(actions_np)
         storage["actions"][step], storage["logprobs"][step] = action, logprob
         storage["values"][step] = value
-        next_obs_np, reward, terminated, truncated, infos = envs.step_wait() if hasattr(
-            envs, "step_async") else envs.step(actions_np)
+        next_obs_np, reward, terminated, truncated, infos = envs.step_wait() if overlap \
+            else envs.step(actions_np)
         storage["rewards"][step] = torch.from_numpy(reward)
         storage["dones"][step] = torch.from_numpy(terminated | truncated)
         # pinned on CUDA; refilling it is safe: the next action.cpu() waits for this copy
@@ -521,13 +523,15 @@ def act(agent, obs, memory: dict):
 
 
 def summarize(agent, totals: dict, n_minibatches: int, batch: dict, games: list,
-              world_size: int):
+              world_size: int, stop=()):
     """The iteration's scalars in one host sync, averaged over ranks: losses/<name> (mean over
-    minibatches), explained variance, `finite` (1.0: all parameters finite); every rank's games."""
+    minibatches), explained variance, `finite` (1.0: all parameters finite), `stop` (> 0: a rank
+    holds a stop signal, so that all stop together); every rank's games."""
     stats = {f"losses/{name}": total / n_minibatches for name, total in totals.items()}
     y_pred, y_true = batch["values"], batch["returns"]
     stats["losses/explained_variance"] = 1 - torch.var(y_true - y_pred) / torch.var(y_true)
     stats["finite"] = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+    stats["stop"] = torch.tensor(float(bool(stop)), device=y_true.device)
     flat = torch.stack([v.float() for v in stats.values()])
     if world_size > 1:  # torchrun: the mean over ranks, and every rank's games for the logs
         dist.all_reduce(flat)
@@ -561,11 +565,12 @@ def log_iteration(writer, stats: dict, games: list, recent, global_step: int, to
 # The training loop
 
 
-def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, rank: int = 0,
+def train(args: Args, ckpt: dict | None, device: torch.device, run, rank: int = 0,
           world_size: int = 1):
     """Rollout, advantages, update and logging, with a checkpoint every --checkpoint-interval,
-    until --total-timesteps (or --stop-at-step, or a Ctrl-C or SIGTERM that main's handler
-    appended to `signals`). ckpt: the checkpoint to continue, or None. Returns the agent."""
+    until --total-timesteps (or --stop-at-step, or a stop signal main's handler put in
+    run.stops). ckpt: the checkpoint to continue, or None; run: the run's record (below the
+    fence: its folder, stops, last checkpoint). Returns the agent."""
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16")
     # seeding: one block; each rank gets its own env seeds and action samples
     random.seed(args.seed + rank)
@@ -575,9 +580,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     torch.backends.cudnn.benchmark = not args.torch_deterministic  # every shape is static
 
     iteration, global_step = (ckpt["iteration"], ckpt["global_step"]) if ckpt else (0, 0)
-    run_dir = ckpt["run_dir"] if ckpt else os.path.join(args.runs_dir, args.run_name)
     # rank 0 alone records videos, logs and checkpoints (under torchrun)
-    video = os.path.join(run_dir, "videos") if args.capture_video and rank == 0 else None
+    video = os.path.join(run.folder, "videos") if args.capture_video and rank == 0 else None
     env_seed = args.seed + rank * args.num_envs + 7919 * iteration  # a resume: fresh games
     envs = make_envs(args, env_seed, video)
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n)
@@ -591,9 +595,8 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
     policy, loss_fn = agent.get_action_and_value, minibatch_loss
     if args.compile:
         policy, loss_fn = torch.compile(policy), torch.compile(loss_fn)
-    env_state = wrapper_statistics(envs, world_size, carry) if ckpt is None else None
-    writer = begin_run(args, run_dir, ckpt, agent, optimizer, env_state, carry) if rank == 0 \
-        else None
+    env_state = wrapper_statistics(envs, world_size, carry)
+    writer = begin_run(run, args, ckpt, agent, optimizer, env_state, carry) if rank == 0 else None
 
     storage = make_storage(envs.single_observation_space.shape, args.num_steps, args.num_envs,
                            device)
@@ -608,28 +611,38 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
         clip_now = torch.tensor(clip_value, device=device)  # a tensor: compile won't recompile
 
         t0 = time.perf_counter()  # monotonic: a clock step is no duration
+        # a stop mid-rollout checkpoints the iteration before: its RNG and carry, kept here
+        rng, carry_before = rng_state(device), copy.deepcopy(carry)
         next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
-                                               global_step, args.num_envs * world_size)
+                                               global_step, args.num_envs * world_size,
+                                               run.stops if world_size == 1 else ())
+        if next_obs is None:  # given up by a stop signal (one process)
+            set_rng_state(rng, device)
+            save_checkpoint(run, agent, optimizer, env_state, args, global_step, iteration - 1,
+                            recent, carry_before)
+            stopped, at_stop = True, False
+            break
         t1 = time.perf_counter()
         batch = make_batch(agent, storage, next_obs, autocast, args, carry)
         totals, n_minibatches = update(agent, optimizer, loss_fn, batch, clip_now, autocast, args,
                                        world_size, carry)
-        stats, games = summarize(agent, totals, n_minibatches, batch, games, world_size)
+        stats, games = summarize(agent, totals, n_minibatches, batch, games, world_size, run.stops)
         if stats["finite"] < 1.0 or not np.isfinite([stats[f"losses/{k}"] for k in totals]).all():
             close(envs, writer)
             fail(f"non-finite loss or parameters at iteration {iteration} (global step "
-                 f"{global_step}); stopped; the last good checkpoint is in {run_dir}", code=1)
+                 f"{global_step}); stopped; the last good checkpoint is in {run.folder}", code=1)
         recent.extend(r for _, r, _ in games)
-        stopped = any_rank_signalled(signals, world_size, device)  # Ctrl-C or SIGTERM
+        stopped = stats["stop"] > 0  # a stop signal on any rank: all stop at this iteration
         at_stop = args.stop_at_step is not None and global_step >= args.stop_at_step
         last = iteration == num_iterations or stopped or at_stop
         now = time.perf_counter()
+        run.iteration_s = now - t0  # (a stop signal's answer says it)
         # SPS from the end of this process's first iteration: a start's warm-up is no slowdown
         if clock is None:
             clock, sps = (global_step, now), int(batch_steps / (now - t0))
         elif now > clock[1]:
             sps = int((global_step - clock[0]) / (now - clock[1]))
-        checkpoint = checkpoint_due(iteration, args, world_size, device) or last
+        checkpoint = checkpoint_due(iteration, args, run, world_size, device) or last
         # what a checkpoint cannot hold is refused now, not at the checkpoint; all ranks' state
         env_state = wrapper_statistics(envs, world_size, carry, gather=checkpoint)
         if writer is not None:
@@ -641,20 +654,28 @@ def train(args: Args, ckpt: dict | None, device: torch.device, signals: list, ra
             last_print = now if show else last_print
             if checkpoint:
                 writer.flush()  # the logs reach at least as far as the checkpoint
-                save_checkpoint(run_dir, agent, optimizer, env_state, args, global_step,
+                save_checkpoint(run, agent, optimizer, env_state, args, global_step,
                                 iteration, recent, carry, iteration == num_iterations)
         if last:
             break
 
     close(envs, writer)
-    end_run(run_dir, args, global_step, signals if stopped else None,
-            at_stop and iteration < num_iterations, rank, world_size)
+    end_run(run, args, global_step, stopped, at_stop and iteration < num_iterations, rank,
+            world_size)
     return agent
 
 
 # ================================= THE FENCE =================================================
 # Below: the machinery a fork leaves alone (argument checks, torchrun, checkpoints, run folders,
 # resume, signals, evaluation, videos, main). Nothing here changes what PPO computes.
+
+# What a resume may change (not the network, game or optimisation so far); LAUNCH_ONLY: unsaved
+LAUNCH_ONLY = {"resume", "stop_at_step", "cuda", "threads", "runs_dir", "allow_other_file"}
+RESUME_OVERRIDABLE = LAUNCH_ONLY | {"total_timesteps", "checkpoint_interval",
+                                    "checkpoint_minutes", "track", "wandb_project_name",
+                                    "wandb_entity", "capture_video", "compile", "env_backend",
+                                    "run_name", "dist_timeout"}
+
 
 def fail(message: str, code: int = 2):
     """Bad input: one line on stderr, no traceback, a non-zero exit."""
@@ -743,10 +764,6 @@ class VideoRecorder(gym.Wrapper):
 # Stops with a checkpoint: Ctrl-C, SIGTERM, a hang-up (an ssh drop), and the warnings schedulers
 # send before a kill (SLURM --signal, Lightning's requeue: USR1; submitit: USR2; SGE)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-RUN_LOCKS = []  # the open lock file of the run this process writes (rank 0), until main returns
-# The trainer as a stop or a failed write finds it: the step its checkpoint holds and when it was
-# written, its run folder, and (one process) the state its last whole iteration ended with
-TRAINER = {}
 # A failed write's errno, in plain words
 STORAGE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
                   errno.EROFS: "the filesystem is read-only", errno.EIO: "the storage failed",
@@ -754,49 +771,50 @@ STORAGE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quot
                   errno.EFBIG: "the file size limit was reached"}
 
 
-class GiveUpRollout(BaseException):
-    """Raised in the main thread by a stop signal (its args) during a rollout, in one process:
-    main checkpoints the last whole iteration. A fork's `except Exception` lets it through."""
-
-
 def start_workers(make_async):
-    """make_async(env_worker) from a server that imported torch (not the trainer: CUDA), all
-    born with the stop signals blocked; the resource tracker first, silent after SIGKILL."""
+    """make_async() from a server that imported torch (not the trainer: CUDA). The resource
+    tracker (its stderr /dev/null: its leak warnings after a kill -9) and the server start with
+    the stop signals blocked, so that the workers the server forks are born with them blocked
+    until their set-up ignores them (a group's Ctrl-C as they start)."""
     atexit.unregister(kill_workers)  # one per process; first: a failed start must not hang
     atexit.register(kill_workers)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
-    try:  # meanwhile catch_stop_signals' thread receives them
+    try:
         multiprocessing.resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # it unblocked INT and TERM
         os.dup2(stderr, 2)
         multiprocessing.set_forkserver_preload(["torch", "torch.utils.tensorboard", "gymnasium",
                                                 "ale_py", "cv2"])  # read when the server starts
-        return make_async(env_worker)
+        multiprocessing.forkserver.ensure_running()
     finally:
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(devnull)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return make_async()
 
 
-def env_worker(index, env_fn, *args, **kwargs):
-    """An async env's process: gymnasium 1.4's worker loop, deaf to signals, one cv2 thread."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-    cv2.setNumThreads(1)
+def with_state_access(thunk, index: int):
+    """An env thunk as the vector env runs it. The env gets layers_get and layers_set, which
+    checkpoints call through an async vector env's public call(). In a worker (a process other
+    than the trainer, which makes one env too, for its spaces), first: deaf to the stop signals
+    (it serves the trainer to its checkpoint), one cv2 thread, and SIGPIPE's default action
+    (once the trainer is gone, its next answer ends it without a traceback)."""
+    trainer = os.getpid()
 
-    def make_env_with_state_access():
-        env = env_fn()
+    def set_up():
+        if os.getpid() != trainer:
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            cv2.setNumThreads(1)
+        env = thunk()
         env.layers_get = lambda: layer_state(env)
         env.layers_set = lambda states: set_layer_state(env, states[index])
         return env
-    try:
-        return gym.vector.async_vector_env._async_worker(index, make_env_with_state_access,
-                                                         *args, **kwargs)
-    except (EOFError, BrokenPipeError, ConnectionResetError):  # the trainer is gone (killed,
-        os._exit(0)  # or a second Ctrl-C): nothing to report to; no traceback
+    return set_up
 
 
 def kill_workers():
@@ -821,22 +839,16 @@ def choose_backend(args: Args, use_cuda: bool | None = None,
     return "async" if use_cuda and usable_cores() // local_processes >= 4 else "sync"
 
 
-def cuda_entry_points() -> list:
-    """What --no-cuda replaces until main returns: is_available, every torch.cuda _lazy_init."""
-    return [(torch.cuda, "is_available")] + [(m, "_lazy_init") for n, m in [*sys.modules.items()]
-                                             if n.split(".")[:2] == ["torch", "cuda"]
-                                             and hasattr(m, "_lazy_init")]
-
-
 def choose_device(args: Args, local_rank: int, local_processes: int, say: bool) -> torch.device:
-    """The one place the device and torch's CPU threads are chosen; say: print which, and why."""
-    if not args.cuda:  # until main returns, torch answers as without a GPU: compile's tracing
-        # and inductor initialize it (CUDA_VISIBLE_DEVICES, read once, is too late once counted)
-        def no_cuda_init():
-            raise RuntimeError("no CUDA in a --no-cuda run")  # as torch without a GPU
-        torch.cuda.is_available = lambda: False
-        for module, name in cuda_entry_points()[1:] * (not torch.cuda.is_initialized()):
-            setattr(module, name, no_cuda_init)
+    """The one place the device and torch's CPU threads are chosen; say: print which, and why.
+    --no-cuda hides the GPUs from this process and its workers before torch counts them
+    (torch.compile's tracing would start CUDA wherever torch sees a GPU); a main() called after
+    torch counted them can only say so."""
+    if not args.cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():  # counted before this line: too late to hide them
+            print("note: torch counted the GPUs before main(), so --no-cuda cannot hide them: the "
+                  "run trains on the CPU, but torch.compile may still start CUDA", flush=True)
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.set_num_threads(args.threads or max(1, usable_cores() // local_processes))
@@ -875,7 +887,6 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: int)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 store=dist.PrefixStore(f"ppo_atari/generation{generation}", store))
-        TRAINER["store"] = dist.PrefixStore(f"ppo_atari/stops{generation}/", store)
         if rank == 0:  # beating until every rank checked in: torch's wait fails at the timeout
             store.wait([f"ppo_atari/in{generation}/{r}" for r in range(1, world_size)], timeout)
     finally:
@@ -889,27 +900,14 @@ def torchrun_store(timeout_s: int):
                              is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def any_rank_signalled(signals: list, world_size: int, device) -> bool:
-    """Whether any rank (this one, without torchrun) got a stop signal: all stop together. Called
-    as an iteration ends: keeps its time and (one process) its RNG, as a checkpoint holds it."""
-    now = time.perf_counter()
-    TRAINER["iteration_s"], TRAINER["ended"] = now - TRAINER.get("ended", now), now
-    TRAINER["rng"], TRAINER["iterations"] = rng_state(device), TRAINER.get("iterations", 0) + 1
-    if world_size == 1:
-        return bool(signals)
-    flag = torch.tensor(float(bool(signals)), device=device)
-    dist.all_reduce(flag)
-    return flag.item() > 0
-
-
-def checkpoint_due(iteration: int, args: Args, world_size: int, device) -> bool:
+def checkpoint_due(iteration: int, args: Args, run, world_size: int, device) -> bool:
     """Every --checkpoint-interval iterations, and once --checkpoint-minutes have passed since the
     last checkpoint (rank 0's clock decides for all ranks)."""
     if iteration % args.checkpoint_interval == 0:
         return True
     if args.checkpoint_minutes is None:
         return False
-    waited = time.perf_counter() - TRAINER["saved_at"]
+    waited = time.perf_counter() - run.saved_at
     due = torch.tensor(float(waited >= 60 * args.checkpoint_minutes), device=device)
     if world_size > 1:
         dist.broadcast(due, src=0)
@@ -923,24 +921,6 @@ def all_reduce_gradients(agent: nn.Module, world_size: int):
     dist.all_reduce(flat)
     for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
         g.copy_(new.view_as(g))
-
-
-def agree_on_run(args: Args, explicit: set[str], rank: int, world_size: int):
-    """resolve_run on rank 0 alone (node-local disks), its answer or exit code sent to all."""
-    if world_size == 1:
-        return resolve_run(args, explicit, world_size)
-    try:
-        box = [resolve_run(args, explicit, world_size) if rank == 0 else None]
-    except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
-        box = [e.code if isinstance(e, SystemExit) else 1]
-        raise
-    finally:
-        dist.broadcast_object_list(box, src=0)
-    if not isinstance(box[0], tuple):
-        raise SystemExit(box[0])
-    if box[0][0] is not None:
-        check_one_folder(*box[0], rank, world_size)
-    return box[0]
 
 
 def check_one_folder(args: Args, ckpt: dict | None, rank: int, world_size: int):
@@ -957,7 +937,236 @@ def check_one_folder(args: Args, ckpt: dict | None, rank: int, world_size: int):
         if s is not None and (first is None or s > first):
             fail(f"rank {r} on {host} sees {path} at step {s:,} and rank 0 on {first_host} "
                  + ("none" if first is None else f"step {first:,}") + ": runs/ must be on a "
-                 f"filesystem every node sees (a shared --runs-dir)")
+                 "filesystem every node sees (a shared --runs-dir)")
+
+
+# The run: its record, its folder, the rules of a resume
+
+
+@dataclasses.dataclass
+class Run:
+    """The run as the machinery keeps it: made once by open_run, passed to train and to what
+    checkpoints, stops and reports. The loop reads `stops`; nothing of it is module state."""
+    folder: str  # the run folder (every rank: the one rank 0 decided)
+    stops: list  # the stop signals received, in order (on_stop appends them)
+    source: dict  # the file training it: its name and its core's hash (checkpoints record it)
+    lock: object = None  # rank 0: the open runs/.NAME.lock, held until main returns
+    saved_step: int | None = None  # the step checkpoint.pt holds (None: none yet)
+    saved_at: float = dataclasses.field(default_factory=time.perf_counter)  # when written
+    iteration_s: float | None = None  # the last iteration's duration (a stop's answer says it)
+
+
+def this_source() -> dict:
+    """This file's name and a hash of its core (the text above the fence): a run continues only
+    with the PPO that trained it."""
+    with open(os.path.abspath(__file__), "rb") as f:
+        core = re.split(rb"^# =+ THE FENCE", f.read(), maxsplit=1, flags=re.M)[0]
+    return {"file": os.path.basename(__file__), "core": hashlib.sha256(core).hexdigest()[:12]}
+
+
+def open_run(args: Args, explicit: set[str], stops: list, rank: int, world_size: int):
+    """The run this launch trains: (args, checkpoint or None, Run), or (None, None, None) when
+    there is nothing to train. Rank 0 alone decides (decide_run: node-local disks); its answer,
+    or its exit code, is sent to every rank."""
+    decided, lock, source = None, None, this_source()
+    try:
+        if rank == 0:
+            args, ckpt, lock = decide_run(args, explicit, world_size, source)
+            decided = (args, ckpt)
+    except BaseException as e:  # the other ranks exit too, with its code; rank 0 said why
+        decided = e.code if isinstance(e, SystemExit) else 1
+        raise
+    finally:
+        if world_size > 1:
+            box = [decided]
+            dist.broadcast_object_list(box, src=0)
+            decided = box[0]
+    if not isinstance(decided, tuple):
+        raise SystemExit(decided)
+    args, ckpt = decided
+    if args is None:  # nothing to train
+        if lock is not None:
+            lock.close()
+        return None, None, None
+    if world_size > 1:
+        check_one_folder(args, ckpt, rank, world_size)
+    folder = ckpt["run_dir"] if ckpt else os.path.join(args.runs_dir, args.run_name)
+    return args, ckpt, Run(folder, stops, source, lock, ckpt["global_step"] if ckpt else None)
+
+
+def decide_run(args: Args, explicit: set[str], world_size: int, source: dict):
+    """Rank 0, the one place a launch's run folder is decided: --resume's, RUNS_DIR/RUN_NAME (new,
+    or continued where it holds checkpoint.pt), or a new dated one (NAME__2 if taken; a torchrun
+    restart: its job's first). The arguments are checked once, as the run will use them, before
+    a folder is made; the folder is locked before anything is written to it, and its checkpoint
+    checked again under the lock. Returns (args, checkpoint or None, lock); args None: nothing
+    to train (said)."""
+    name, store = args.run_name, None
+    dated = args.resume is None and name is None
+    if dated:  # a dated name; a torchrun restart continues its job's first start's folder
+        store = torchrun_store(args.dist_timeout)
+        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        if store is not None and store.check(["ppo_atari/run_name"]):
+            name, dated = store.get("ppo_atari/run_name").decode(), False
+    if args.resume is None and (not name or name.startswith(".") or "/" in name
+                                or len(name.encode()) > 240):
+        fail(f"--run-name {name!r:.60} must be a plain folder name of at most 240 bytes "
+             f"(no '/', not starting with '.'; a dated name holds --exp-name)")
+    folder = os.path.join(args.runs_dir, name) if args.resume is None else args.resume
+    named = args.resume is None and not dated  # (a dated name is never a run to continue)
+    if named and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
+        args = dataclasses.replace(args, resume=folder)
+    elif named and os.path.isdir(folder) and any(  # (a killed writer's temporary: not a file)
+            f != "agent.pt" and not re.fullmatch(r".+\.pt\..*tmp", f) for f in os.listdir(folder)):
+        fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
+             f"to continue; pick another --run-name or remove the folder")
+    ckpt = None
+    if args.resume is not None:
+        args, ckpt, saved = resumed_args(args, explicit, name, source)
+        folder = ckpt["run_dir"]
+    args = dataclasses.replace(args, run_name=name) if ckpt is None else args
+    check_args(args, world_size)
+    if dated:  # a folder of its own, made now (name__2 if taken)
+        args = dataclasses.replace(args, run_name=own_folder(args.runs_dir, name))
+        folder = os.path.join(args.runs_dir, args.run_name)
+        if store is not None:  # what a restart of this job continues
+            store.set("ppo_atari/run_name", args.run_name)
+    lock = lock_run(folder)
+    if ckpt is not None:
+        check_newest(args.resume, ckpt)  # (under the lock: no launch writes it meanwhile)
+        if resume_plan(args, saved, ckpt, world_size):
+            return None, None, lock
+    return args, ckpt, lock
+
+
+def resumed_args(args: Args, explicit: set[str], name: str | None, source: dict):
+    """(this launch's args merged into the checkpoint's, the checkpoint, its own args) for
+    --resume, or a one-line refusal: an agent file, another run's --run-name, another file, a
+    field this file lacks, a change a resume cannot make."""
+    ckpt = load_checkpoint(args.resume)
+    if "optimizer" not in ckpt:
+        fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
+    if "run_name" in explicit and name != (folder := os.path.basename(ckpt["run_dir"])):
+        fail(f"--run-name {name} is not the run --resume {args.resume} continues ({folder}): "
+             f"a resumed run keeps its folder; drop --run-name")
+    theirs = ckpt.get("source", source)  # (a checkpoint of a file that did not record it: any)
+    if theirs != source and not args.allow_other_file:
+        fail(f"{args.resume} (step {ckpt['global_step']:,}) was trained by {theirs['file']} "
+             f"(core {theirs['core']}), not by this {source['file']} (core {source['core']}): "
+             f"continue it with the file that trained it, or pass --allow-other-file to go on "
+             f"with this one on purpose (the run's events record it)")
+    shared = same_fields(args.resume, ckpt)
+    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in shared})
+    for field in sorted(explicit - RESUME_OVERRIDABLE):
+        if getattr(args, field) != getattr(saved, field):
+            fail(f"--{field.replace('_', '-')} cannot change when resuming (the checkpoint has "
+                 f"{getattr(saved, field)!r}); drop it or start a new run")
+    overrides = (explicit & RESUME_OVERRIDABLE) | LAUNCH_ONLY
+    return dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides}), ckpt, saved
+
+
+def same_fields(path: str, ckpt: dict) -> set[str]:
+    """The Args fields a checkpoint and this file share (refused: fields this one lacks)."""
+    ours = {f.name for f in dataclasses.fields(Args)} - LAUNCH_ONLY
+    theirs = set(ckpt["args"]) - LAUNCH_ONLY
+
+    def flags(names):
+        return ", ".join(f"--{n.replace('_', '-')}" for n in sorted(names))
+    if theirs - ours:
+        fail(f"{path} was written by another version of this file, whose Args has "
+             f"{flags(theirs - ours)}, which this file lacks" + (
+                 f" (it has {flags(ours - theirs)} instead)" if ours - theirs else "") +
+             "; their settings would be lost: continue it with the file that wrote it")
+    if ours - theirs:
+        print(f"note: {path} was written by a file without " + ", ".join(
+            f"--{n.replace('_', '-')} (continued with its default, {getattr(Args(), n)!r})"
+            for n in sorted(ours - theirs)), flush=True)
+    return ours & theirs
+
+
+def check_newest(path: str, ckpt: dict):
+    """Refuses to continue an older snapshot over its folder's checkpoint.pt further along."""
+    newest = os.path.join(ckpt["run_dir"], "checkpoint.pt")
+    if os.path.isfile(newest):
+        step = load_checkpoint(newest)["global_step"]
+        if step > ckpt["global_step"]:
+            fail(f"{path} holds step {ckpt['global_step']:,} but {shown_path(newest)} is further "
+                 f"along (step {step:,}), and continuing would replace it; to go back on "
+                 f"purpose, move that file aside first (mv {shown_path(newest)} "
+                 f"{shown_path(newest)[:-3]}-{step}.pt)")
+
+
+def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
+    """Checks a checkpoint against this launch and says what resuming does; True: nothing to do."""
+    done, step, batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
+    if done and step != done * batch * world_size:  # each iteration: every rank's batch
+        n = step // (done * batch)
+        fail(f"{args.resume} was written by {n} process(es) and this launch has {world_size}; "
+             f"continue it with {n} processes (torchrun --nproc_per_node)")
+    where, iterations = shown_path(ckpt["run_dir"]), args.total_timesteps // (batch * world_size)
+    if done >= iterations:
+        print(f"{where} is already complete: it has run {step:,} steps of --total-timesteps "
+              f"{args.total_timesteps:,}; nothing written (a larger one trains on)", flush=True)
+        return True
+    if args.stop_at_step and step >= args.stop_at_step:
+        print(f"{where} has run {step:,} steps, already "
+              f"{'at' if step == args.stop_at_step else 'past'} --stop-at-step "
+              f"{args.stop_at_step:,}; nothing written (drop or raise it to continue to "
+              f"{args.total_timesteps:,})", flush=True)
+        return True
+    line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
+            f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")
+    if saved.total_timesteps != args.total_timesteps:
+        line += f"; --total-timesteps changed from {saved.total_timesteps:,}: schedules re-planned"
+    if args.anneal_lr:  # the next iteration's, by the schedule the loop uses
+        line += f"; learning rate {schedule(done + 1, iterations, args)[0]:.3g} now"
+    print(line, flush=True)
+    return False
+
+
+def lock_run(folder: str):
+    """One writer a run folder: runs/.NAME.lock, freed at any exit (kill -9 too), or a refusal.
+    Returns the open lock file (None where the filesystem cannot lock, said)."""
+    parent, name = os.path.split(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    lock = open(os.path.join(parent, f".{name}.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        fail(f"{shown_path(folder)} is in use: {holder} holds its lock; wait for it to end (the "
+             f"same command then continues the run), stop it, or pick another --run-name")
+    except OSError as e:  # an NFS mount without locking: ENOLCK
+        lock.close()
+        print(f"note: {shown_path(parent)} cannot lock files ({e.strerror}): nothing stops a "
+              f"second launch of {name} from writing it too", flush=True)
+        return None
+    job = f" (SLURM job {os.environ['SLURM_JOB_ID']})" if "SLURM_JOB_ID" in os.environ else ""
+    with contextlib.suppress(OSError):  # the holder, for a refused launch to name (unbuffered:
+        os.ftruncate(lock.fileno(), 0)  # on a full disk, the start's room check says so)
+        os.write(lock.fileno(), f"pid {os.getpid()} on {socket.gethostname()}{job}".encode())
+    for stale in glob.glob(os.path.join(folder, "*.pt.*tmp")):  # a killed writer's
+        os.remove(stale)
+    return lock
+
+
+def own_folder(parent: str, name: str) -> str:
+    """Makes parent/name, or name__2, name__3, ... if taken (a start in the same second)."""
+    for folder in [name] + [f"{name}__{n}" for n in range(2, 10_000)]:
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.join(parent, folder))
+            return folder
+
+
+def shown_path(path: str) -> str:
+    """A path as printed: relative to the working directory when inside it, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+# Checkpoint files
 
 
 def map_tensors(obj, fn, is_leaf=torch.is_tensor):
@@ -983,9 +1192,9 @@ def set_rng_state(state: dict, device: torch.device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def write_atomically(path: str, state: dict):
+def write_atomically(path: str, state: dict, held: int | None = None):
     """Via a temporary file of this process's, fsynced and renamed: a crash leaves one whole
-    file, and two writers never mix bytes; CPU tensors."""
+    file, and two writers never mix bytes; CPU tensors. held: the step checkpoint.pt holds."""
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temporary, "wb") as f:
@@ -998,7 +1207,7 @@ def write_atomically(path: str, state: dict):
             raise
         with contextlib.suppress(OSError):
             os.remove(temporary)
-        cannot_write(path, storage_error(e))
+        cannot_write(path, storage_error(e), held)
 
 
 def storage_error(e: BaseException | None) -> OSError | None:
@@ -1008,9 +1217,8 @@ def storage_error(e: BaseException | None) -> OSError | None:
     return e
 
 
-def cannot_write(what: str, error: OSError):
+def cannot_write(what: str, error: OSError, held: int | None):
     """A write that failed: what, why in plain words, the step the checkpoint holds; exit 1."""
-    held = TRAINER.get("saved_step")
     fail(f"cannot write {what}: {STORAGE_ERRORS[error.errno]} ({error.strerror}); " + (
         "no checkpoint was written" if held is None else f"the run's checkpoint.pt holds step "
         f"{held:,}, and the same command continues from it once the disk takes writes"), code=1)
@@ -1064,10 +1272,77 @@ def load_agent(agent: nn.Module, state: dict, path: str, env_id: str):
     agent.load_state_dict(saved)
 
 
+def save_checkpoint(run: Run, agent, optimizer, env_state: dict, args: Args,
+                    global_step: int, iteration: int, recent, carry: dict, finished=False):
+    """agent.pt (the weights alone), then checkpoint.pt (see restore), each written atomically,
+    unless checkpoint.pt holds this step already."""
+    if global_step == run.saved_step and not finished:
+        return
+    state = {"model": agent.state_dict(), "args": dataclasses.asdict(args),
+             "global_step": global_step, "finished": finished, "source": run.source}
+    write_atomically(os.path.join(run.folder, "agent.pt"), state, run.saved_step)
+    write_atomically(os.path.join(run.folder, "checkpoint.pt"), state | {
+        "optimizer": optimizer.state_dict(), "iteration": iteration,
+        "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
+        "env_statistics": env_state, "carry": to_saved(carry)}, run.saved_step)
+    run.saved_step, run.saved_at = global_step, time.perf_counter()
+
+
+def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
+            seed: int):
+    """A resume: weights, Adam, RNG, wrapper state, carry, recent returns; rank 0's weights."""
+    if ckpt is not None:
+        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)
+        load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"], device)
+        if rank > 0:  # rank 0's RNG state is in the checkpoint; the others draw afresh
+            torch.manual_seed(seed + rank + 7919 * (ckpt["iteration"] + 1))
+        carry.update(map_tensors(from_saved(ckpt.get("carry", {})), lambda t: t.to(device)))
+        recent.extend(ckpt["recent_returns"])
+    if dist.is_initialized():  # identical weights and buffers everywhere
+        for t in agent.state_dict().values():
+            dist.broadcast(t, src=0)
+
+
+def begin_run(run: Run, args: Args, ckpt: dict | None, agent, optimizer, env_state: dict,
+              carry: dict):
+    """Rank 0: says where the run goes, writes a new run's checkpoint first, opens the writer."""
+    shown = shown_path(run.folder)
+    print(f"run folder: {os.path.abspath(run.folder)} ({'new' if ckpt is None else 'continued'}); "
+          f"watch it with: tensorboard --logdir {shown}", flush=True)
+    os.makedirs(run.folder, exist_ok=True)
+    check_room(run.folder, agent, ckpt is None)
+    if ckpt is None:
+        save_checkpoint(run, agent, optimizer, env_state, args, 0, 0, [], carry)
+    if args.track:  # a continued run continues the same wandb run: its id is the folder's name
+        import wandb
+        name = os.path.basename(run.folder)
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
+                   name=name, id=name, resume="allow", sync_tensorboard=True, save_code=True)
+    # purge_step hides events a crashed run logged after its last checkpoint
+    writer = SummaryWriter(run.folder, purge_step=ckpt["global_step"] + 1 if ckpt else None)
+    if ckpt is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in vars(args).items()))
+    launch = f"run folder {os.path.abspath(run.folder)} on {socket.gethostname()}: " \
+        f"{shlex.join(sys.argv)}"
+    if ckpt is not None and ckpt.get("source", run.source) != run.source:
+        launch += (f"; with --allow-other-file, continues what {ckpt['source']['file']} (core "
+                   f"{ckpt['source']['core']}) trained with {run.source['file']} (core "
+                   f"{run.source['core']})")
+    writer.add_text("launch", launch, ckpt["global_step"] if ckpt else 0)  # (no stdout)
+    return writer
+
+
+# Wrapper state: each env's *_state attributes and running statistics, through the vector env
+
+
 def wrapper_layers(env):
-    """(name, layer) for each layer of one env, outermost first; a class's second is Class#2."""
+    """(name, layer) for each layer of one env, outermost first (of a vector env: its vector
+    wrappers); a class's second is Class#2."""
     seen, layer = collections.Counter(), env
-    while isinstance(layer, gym.Env):
+    while isinstance(layer, (gym.Env, gym.vector.VectorWrapper)):
         seen[kind := type(layer).__name__] += 1
         yield (kind if seen[kind] == 1 else f"{kind}#{seen[kind]}"), layer
         layer = getattr(layer, "env", None)
@@ -1088,20 +1363,28 @@ def from_saved(value):
         d["__numpy__"].numpy(), lambda v: isinstance(v, dict) and "__numpy__" in v)
 
 
+def checkpointable(obj) -> bool:
+    """What to_saved makes loadable: tensors, numbers, str, None, numpy (not objects), nested."""
+    if isinstance(obj, (list, tuple)):
+        return all(checkpointable(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, (str, int)) and checkpointable(v) for k, v in obj.items())
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.dtype.kind in "biufc" or isinstance(obj, np.str_)
+    return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
+
+
 def layer_state(env) -> dict:
-    """One env's layers' "Layer.attr": "state" (*_state, statistics), "refused", "numbers"."""
-    out = {"state": {}, "refused": {}, "numbers": {}}
+    """One env's layers' "Layer.attr" (*_state attributes, running statistics, the games
+    counted): "state", what a checkpoint holds, and "refused", what it cannot (their types)."""
+    out = {"state": {}, "refused": {}}
     for name, layer in wrapper_layers(env):
-        own = type(layer).__module__.split(".")[0] not in ("gymnasium", "ale_py")
         for attr, value in vars(layer).items():
             key, rms = f"{name}.{attr}", isinstance(value, RunningMeanStd)
-            saved = to_saved(vars(value) if rms else value)
             if attr.endswith("_state") or rms or key == "RecordEpisodeStatistics.episode_count":
+                saved = to_saved(vars(value) if rms else value)
                 out["state" if checkpointable(saved) else "refused"][key] = \
                     saved if checkpointable(saved) else type(value).__name__
-            elif own and key != "EpisodicLife.lives" and checkpointable(saved) and isinstance(
-                    value, (int, float, np.ndarray, torch.Tensor)) and not isinstance(value, bool):
-                out["numbers"][key] = saved
     return out
 
 
@@ -1117,172 +1400,146 @@ def set_layer_state(env, state: dict):
 
 
 def env_layer_states(envs) -> list[dict]:
-    """layer_state of every env of the vector env, in order (sync: here; async: its workers')."""
-    return [*map(layer_state, envs.envs)] if hasattr(envs, "envs") else [*envs.call("layers_get")]
+    """layer_state of every env of the vector env, in order (sync: its envs; async: through its
+    public call(), from the workers); under a fork's vector wrappers, it is envs.unwrapped."""
+    vector = envs.unwrapped
+    if isinstance(vector, gym.vector.SyncVectorEnv):
+        return [layer_state(env) for env in vector.envs]
+    return list(vector.call("layers_get"))
 
 
 def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> dict | None:
-    """{"Layer.attr": [each env's value or None], "numbers": env 0's}, all ranks' envs (all call
-    it; gather=False: None). What a checkpoint cannot hold (carry, *_state) stops the run."""
-    states = env_layer_states(envs)
+    """{"Layer.attr": [each env's value or None], "vector": the vector wrappers' state}, all
+    ranks' envs (under torchrun every rank calls it; gather=False: None).
+    What a checkpoint cannot hold (carry, *_state) stops the run."""
+    states, vector = env_layer_states(envs), layer_state(envs)
     refused = [(f"env {i}'s wrapper state {key}", kind) for i, env in enumerate(states)
-               for key, kind in env["refused"].items()] + [(f"carry[{k!r}]", type(v).__name__)
-                                                           for k, v in (carry or {}).items()
-                                                           if not checkpointable(v)]
+               for key, kind in env["refused"].items()]
+    refused += [(f"the vector wrapper state {key}", kind) for key, kind in vector["refused"].items()]
+    refused += [(f"carry[{k!r}]", type(v).__name__) for k, v in (carry or {}).items()
+                if not checkpointable(v)]
     for what, kind in refused[:1]:
         envs.close()
         fail(f"{what} is a {kind}, which a checkpoint cannot hold: keep it as numbers, str, None,"
              f" numpy numbers or arrays, tensors, or lists, tuples and dicts of them")
-    TRAINER["states"], TRAINER["carry"] = states, copy.deepcopy(carry)  # for a stop mid-rollout
-    return all_ranks_statistics(states, world_size) if gather else None
+    if world_size > 1 and not gather:
+        return None
+    return all_ranks_statistics(states, world_size) | {"vector": vector["state"]}
 
 
 def all_ranks_statistics(states: list, world_size: int) -> dict:
     """wrapper_statistics' answer from this rank's envs' states (every rank calls it)."""
-    numbers = states[0]["numbers"]
     if world_size > 1:  # every rank's envs, rank 0's first
         gathered = [None] * world_size
         dist.all_gather_object(gathered, states)
         states = [env for part in gathered for env in part]
     keys = dict.fromkeys(key for env in states for key in env["state"])
-    return {key: [env["state"].get(key) for env in states] for key in keys} | {"numbers": numbers}
+    return {key: [env["state"].get(key) for env in states] for key in keys}
 
 
 def restore_wrapper_statistics(envs, saved: dict, rank: int = 0):
     """Sets this rank's envs' wrapper state back; names in one line what it cannot restore."""
-    fresh = env_layer_states(envs)
-    now, numbers = {key for env in fresh for key in env["state"]}, saved.get("numbers", {})
-    kept, first = saved.keys() - {"numbers"}, rank * envs.num_envs
+    now, num_envs = {key for env in env_layer_states(envs) for key in env["state"]}, \
+        envs.unwrapped.num_envs
+    kept, first = saved.keys() - {"numbers", "vector"}, rank * num_envs
     states = [{key: saved[key][first + i] for key in now & kept if first + i < len(saved[key])}
-              for i in range(envs.num_envs)]
+              for i in range(num_envs)]
     count, games = "VideoRecorder.games_state", "RecordEpisodeStatistics.episode_count"
     if count in now - kept and games in kept:  # videos from this launch on: env 0's next game
         states[0][count], kept = saved[games][0] + 1, kept | {count}
-    for env, state in zip(getattr(envs, "envs", []), states):  # sync: the envs are here
-        set_layer_state(env, state)
-    if not hasattr(envs, "envs"):  # async: each worker takes its own env's
-        envs.call("layers_set", states)
-    lost = sorted((now ^ kept) - {count}) + [  # (videos turned on or off: no state lost)
-        key for key, value in numbers.items() if not np.array_equal(
-            from_saved(value), from_saved(fresh[0]["numbers"].get(key)))]
+    if isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
+        for env, state in zip(envs.unwrapped.envs, states):
+            set_layer_state(env, state)
+    else:  # each worker takes its own env's
+        envs.unwrapped.call("layers_set", states)
+    vector, vector_now = saved.get("vector", {}), layer_state(envs)["state"]
+    set_layer_state(envs, vector)
+    lost = sorted((now ^ kept) - {count}) + sorted(vector.keys() ^ vector_now.keys())
     if lost:
         print(f"note: env wrapper state {lost} is not restored (starts afresh): the checkpoint or "
               f"these envs lack it; resumes keep a wrapper's *_state attributes", flush=True)
 
 
-def restore(ckpt: dict | None, agent, optimizer, envs, carry: dict, recent, device, rank: int,
-            seed: int):
-    """A resume: weights, Adam, RNG, wrapper state, carry, recent returns; rank 0's weights."""
-    TRAINER.update(saved_at=time.perf_counter(), ended=time.perf_counter())
-    if ckpt is not None:
-        TRAINER["saved_step"] = ckpt["global_step"]
-        restore_wrapper_statistics(envs, ckpt.get("env_statistics", {}), rank)
-        load_agent(agent, ckpt, ckpt["run_dir"], ckpt["args"]["env_id"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        set_rng_state(ckpt["rng"], device)
-        if rank > 0:  # rank 0's RNG state is in the checkpoint; the others draw afresh
-            torch.manual_seed(seed + rank + 7919 * (ckpt["iteration"] + 1))
-        carry.update(map_tensors(from_saved(ckpt.get("carry", {})), lambda t: t.to(device)))
-        recent.extend(ckpt["recent_returns"])
-    if dist.is_initialized():  # identical weights and buffers everywhere
-        for t in agent.state_dict().values():
-            dist.broadcast(t, src=0)
+# Stops: a handler records the signal; the loop reads run.stops (rollout, train)
 
 
-def begin_run(args: Args, run_dir: str, ckpt: dict | None, agent, optimizer, env_state: dict,
-              carry: dict):
-    """Rank 0: says where the run goes, writes a new run's checkpoint first, opens the writer."""
-    shown = shown_path(run_dir)
-    print(f"run folder: {os.path.abspath(run_dir)} ({'new' if ckpt is None else 'continued'}); "
-          f"watch it with: tensorboard --logdir {shown}", flush=True)
-    os.makedirs(run_dir, exist_ok=True)
-    check_room(run_dir, agent, ckpt is None)
-    TRAINER["run_dir"] = run_dir
-    if ckpt is None:
-        save_checkpoint(run_dir, agent, optimizer, env_state, args, 0, 0, [], carry)
-    if args.track:  # a continued run continues the same wandb run: its id is the folder's name
-        import wandb
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
-                   name=os.path.basename(run_dir), id=os.path.basename(run_dir), resume="allow",
-                   sync_tensorboard=True, save_code=True)
-    # purge_step hides events a crashed run logged after its last checkpoint
-    writer = SummaryWriter(run_dir, purge_step=ckpt["global_step"] + 1 if ckpt else None)
-    if ckpt is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in vars(args).items()))
-    writer.add_text("launch", f"run folder {os.path.abspath(run_dir)} on {socket.gethostname()}: "
-                    f"{shlex.join(sys.argv)}", ckpt["global_step"] if ckpt else 0)  # (no stdout)
-    return writer
+def catch_stop_signals(stops: list, run=None):
+    """Points each stop signal not ignored at start (`cmd &`, nohup: those stay ignored) at
+    on_stop, which records it in stops and answers it (from run, once main has one: how long,
+    what the checkpoint holds). Returns release(), which puts the handlers back. Outside the
+    main thread Python lets no handler be set: the signals stay the caller's."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, handler in old.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, functools.partial(on_stop, stops, run))
+
+    def release():
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return release
 
 
-def checkpointable(obj) -> bool:
-    """What to_saved makes loadable: tensors, numbers, str, None, numpy (not objects), nested."""
-    if isinstance(obj, (list, tuple)):
-        return all(checkpointable(v) for v in obj)
-    if isinstance(obj, dict):
-        return all(isinstance(k, (str, int)) and checkpointable(v) for k, v in obj.items())
-    if isinstance(obj, (np.ndarray, np.generic)):
-        return obj.dtype.kind in "biufc" or isinstance(obj, np.str_)
-    return isinstance(obj, (torch.Tensor, int, float, bool, str, type(None)))
+def on_stop(stops: list, run, signum: int, frame):
+    """A stop signal: recorded first, then answered once on stderr (a write that may fail); a
+    second Ctrl-C ends the process at once, its async workers first, without a checkpoint."""
+    if stops and signum == signal.SIGINT:
+        with contextlib.suppress(Exception):
+            print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr, flush=True)
+        kill_workers()  # before they find the trainer gone
+        os._exit(130)
+    stops.append(signum)
+    if len(stops) == 1 and not (dist.is_initialized() and dist.get_rank() > 0):
+        with contextlib.suppress(Exception):  # a closed pipe, a write this handler interrupted
+            print(stop_answer(run, signum), file=sys.stderr, flush=True)
 
 
-def save_checkpoint(run_dir: str, agent, optimizer, env_state: dict, args: Args,
-                    global_step: int, iteration: int, recent, carry: dict, finished=False):
-    """agent.pt (the weights alone), then checkpoint.pt (see restore), each written atomically."""
-    state = {"model": agent.state_dict(), "args": dataclasses.asdict(args),
-             "global_step": global_step, "finished": finished}
-    write_atomically(os.path.join(run_dir, "agent.pt"), state)
-    write_atomically(os.path.join(run_dir, "checkpoint.pt"), state | {
-        "optimizer": optimizer.state_dict(), "iteration": iteration,
-        "rng": rng_state(next(agent.parameters()).device), "recent_returns": list(recent),
-        "env_statistics": env_state, "carry": to_saved(carry)})
-    TRAINER.update(saved_step=global_step, saved_at=time.perf_counter())
+def stop_answer(run, signum: int) -> str:
+    """What a first stop signal does, and about how long it takes."""
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    about = f"within about {run.iteration_s:.0f} s, an iteration's time" if run and \
+        run.iteration_s is not None else "the first, not timed yet"
+    if run is None:  # not training yet, or evaluating
+        what = "nothing to checkpoint: it stops at its next step"
+    elif dist.is_initialized():
+        what = f"the iteration in progress ends on every rank ({about}) and is checkpointed"
+    else:
+        what = (f"the rollout in progress is given up and the last whole iteration checkpointed, "
+                f"or the update in progress ends ({about}) and its iteration is checkpointed")
+    second = "; a second Ctrl-C quits at once without a checkpoint" + (
+        f" (the last holds step {run.saved_step:,})" if run and run.saved_step is not None else "")
+    return f"\n{name}: stopping: {what}" + (second if signum == signal.SIGINT else "")
 
 
-def torchrun_options(script: str) -> list[str] | None:
-    """torchrun's own options as its agent (this process's parent) was started, or None."""
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return None
-    start = next((i for i, a in enumerate(argv) if a.endswith(("torchrun", "distributed.run"))), -1)
-    end = next((i for i, a in enumerate(argv) if i > start >= 0 and
-                os.path.basename(a) == os.path.basename(script)), None)
-    return None if end is None else argv[start + 1:end]
+# The end of a run, failures, evaluation and main
 
 
-def say_how_to_continue(run_dir: str, args: Args, global_step: int, stopped: str | bool,
-                        stopped_early: bool, world_size: int):
-    """Where the run is and, stopped early (stopped: by what), the same launch to continue it."""
-    shown = shown_path(run_dir)
+def end_run(run: Run, args: Args, global_step: int, stopped: bool, stopped_early: bool,
+            rank: int, world_size: int):
+    """Rank 0 says where the run is and, stopped early, the launch that continues it; stopped by
+    a signal (on this rank or another), it exits 128 + n as its default action would (130, 143:
+    a preempted job)."""
+    signum = run.stops[0] if run.stops else None  # (None: another rank's signal)
+    shown = shown_path(run.folder)
     python = next((name for name in ("python", "python3") if shutil.which(name) and
                    os.path.abspath(shutil.which(name)) == os.path.abspath(sys.executable)),
                   sys.executable)  # the same command: `python` when that is this interpreter
-    launcher = [python] if world_size == 1 else ["torchrun", *(torchrun_options(sys.argv[0]) or [
-        "--nproc_per_node", os.environ.get("LOCAL_WORLD_SIZE", "1")])]  # or a guess at them
     again = ["--no-cuda"] * (not args.cuda) + ["--threads", str(args.threads)] * bool(args.threads)
     if args.stop_at_step and not stopped_early:  # a stop by signal goes on to the planned stop
         again += ["--stop-at-step", str(args.stop_at_step)]
-    resume = shlex.join([*launcher, sys.argv[0], "--resume", shown, *again])
-    print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
-    if stopped or stopped_early:
-        print(f"stopped at step {global_step:,} of {args.total_timesteps:,} by "
-              f"{stopped or '--stop-at-step'}; checkpoint written; continue with: {resume}",
-              flush=True)
-
-
-def end_run(run_dir: str, args: Args, global_step: int, signals: list | None,
-            stopped_early: bool, rank: int, world_size: int):
-    """Rank 0 says where the run is (and how to continue it when stopped); stopped by a signal
-    (signals: this rank's, empty if another rank's), exits 128 + n as its default action would
-    (130, 143: a preempted job)."""
+    resume = shlex.join([python] * (world_size == 1) + [sys.argv[0], "--resume", shown, *again])
+    if world_size > 1:
+        resume = f"the same torchrun launcher and options, then: {resume}"
+    by = "--stop-at-step" if not stopped else "a signal to another rank" if signum is None \
+        else signal.Signals(signum).name
     if rank == 0:
-        say_how_to_continue(run_dir, args, global_step, signals is not None and (signal.Signals(
-            signals[0]).name if signals else "a signal to another rank"), stopped_early,
-            world_size)
-    if signals is not None:
-        raise SystemExit(128 + (signals or [signal.SIGTERM])[0])
+        print(f"\nrun folder: {shown}" if sys.stdout.isatty() else f"run folder: {shown}")
+        if stopped or stopped_early:
+            print(f"stopped at step {global_step:,} of {args.total_timesteps:,} by {by}; "
+                  f"checkpoint written; continue with: {resume}", flush=True)
+    if stopped:
+        raise SystemExit(128 + (signum or signal.SIGTERM))
 
 
 def close(envs, writer):
@@ -1294,297 +1551,7 @@ def close(envs, writer):
         gc.collect()  # a group a reference cycle frees at interpreter exit aborts gloo (exit -6)
 
 
-def resume_plan(args: Args, saved: Args, ckpt: dict, world_size: int) -> bool:
-    """Checks a checkpoint against this launch and says what resuming does; True: nothing to do."""
-    done, step, batch = ckpt["iteration"], ckpt["global_step"], args.num_envs * args.num_steps
-    if done and step != done * batch * world_size:  # each iteration: every rank's batch
-        n = step // (done * batch)
-        fail(f"{args.resume} was written by {n} process(es) and this launch has {world_size}; "
-             f"continue it with {n} processes (torchrun --nproc_per_node)")
-    where, iterations = shown_path(ckpt["run_dir"]), args.total_timesteps // (batch * world_size)
-    if done >= iterations:
-        print(f"{where} is already complete: it has run {step:,} steps of --total-timesteps "
-              f"{args.total_timesteps:,}; nothing written (a larger one trains on)", flush=True)
-        return True
-    if args.stop_at_step and step >= args.stop_at_step:
-        print(f"{where} has run {step:,} steps, already "
-              f"{'at' if step == args.stop_at_step else 'past'} --stop-at-step "
-              f"{args.stop_at_step:,}; nothing written (drop or raise it to continue to "
-              f"{args.total_timesteps:,})", flush=True)
-        return True
-    line = (f"continuing {where} at step {step:,} of {args.total_timesteps:,} "
-            f"({iterations - done} iteration{'s' if iterations - done > 1 else ''} left)")
-    if saved.total_timesteps != args.total_timesteps:
-        line += f"; --total-timesteps changed from {saved.total_timesteps:,}: schedules re-planned"
-    if args.anneal_lr:  # the next iteration's, by the schedule the loop uses
-        line += f"; learning rate {schedule(done + 1, iterations, args)[0]:.3g} now"
-    print(line, flush=True)
-    return False
-
-
-def resolve_run(args: Args, explicit: set[str], world_size: int):
-    """(args, None): a new run; (args with this launch's overrides, checkpoint); (None, None).
-    The run folder is locked (lock_run) before anything is decided about it."""
-    name, new = args.run_name, args.resume is None and args.run_name is None
-    store = torchrun_store(args.dist_timeout) if new else None
-    if new:  # a dated name; under torchrun, a restart continues its job's first start's folder
-        name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        if store is not None and store.check(["ppo_atari/run_name"]):
-            name, new = store.get("ppo_atari/run_name").decode(), False
-        args = dataclasses.replace(args, run_name=name)
-    if args.resume is None:  # every run writes its checkpoint first
-        folder = os.path.join(args.runs_dir, name)
-        if not name or name.startswith(".") or "/" in name or len(name.encode()) > 240:
-            fail(f"--run-name {name!r:.60} must be a plain folder name of at most 240 bytes "
-                 f"(no '/', not starting with '.'; a dated name holds --exp-name)")
-        if not new:
-            lock_run(folder)
-        if not new and os.path.isfile(os.path.join(folder, "checkpoint.pt")):
-            args = dataclasses.replace(args, resume=folder)
-        elif not new and os.path.isdir(folder) and set(os.listdir(folder)) - {"agent.pt"}:
-            fail(f"{folder} holds files but no checkpoint.pt, so it is not a run of this script "
-                 f"to continue; pick another --run-name or remove the folder")
-    if args.resume is None:
-        check_args(args, world_size)
-        if new:  # a dated name: a folder of its own, made here (name__2 if taken)
-            args = dataclasses.replace(args, run_name=own_folder(args.runs_dir, name))
-            lock_run(os.path.join(args.runs_dir, args.run_name))
-            if store is not None:  # what a restart of this job continues
-                store.set("ppo_atari/run_name", args.run_name)
-        return args, None
-    if "resume" in explicit and os.path.exists(args.resume):
-        lock_run(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume))
-    ckpt = load_checkpoint(args.resume)
-    if "optimizer" not in ckpt:
-        fail(f"{args.resume} is a saved agent, not a checkpoint to continue; pass its run folder")
-    if "run_name" in explicit and name != (folder := os.path.basename(ckpt["run_dir"])):
-        fail(f"--run-name {name} is not the run --resume {args.resume} continues ({folder}): "
-             f"a resumed run keeps its folder; drop --run-name")
-    check_newest(args.resume, ckpt)
-    shared = same_fields(args.resume, ckpt)
-    saved = Args(**{k: v for k, v in ckpt["args"].items() if k in shared})
-    for name in sorted(explicit - RESUME_OVERRIDABLE):
-        if getattr(args, name) != getattr(saved, name):
-            fail(f"--{name.replace('_', '-')} cannot change when resuming (the checkpoint has "
-                 f"{getattr(saved, name)!r}); drop it or start a new run")
-    overrides = (explicit & RESUME_OVERRIDABLE) | LAUNCH_ONLY
-    args = dataclasses.replace(saved, **{n: getattr(args, n) for n in overrides})
-    check_args(args, world_size)
-    return (None, None) if resume_plan(args, saved, ckpt, world_size) else (args, ckpt)
-
-
-def same_fields(path: str, ckpt: dict) -> set[str]:
-    """The Args fields a checkpoint and this file share (refused: fields this one lacks)."""
-    ours = {f.name for f in dataclasses.fields(Args)} - LAUNCH_ONLY
-    theirs = set(ckpt["args"]) - LAUNCH_ONLY
-
-    def flags(names):
-        return ", ".join(f"--{n.replace('_', '-')}" for n in sorted(names))
-    if theirs - ours:
-        fail(f"{path} was written by another version of this file, whose Args has "
-             f"{flags(theirs - ours)}, which this file lacks" + (
-                 f" (it has {flags(ours - theirs)} instead)" if ours - theirs else "") +
-             "; their settings would be lost: continue it with the file that wrote it")
-    if ours - theirs:
-        print(f"note: {path} was written by a file without " + ", ".join(
-            f"--{n.replace('_', '-')} (continued with its default, {getattr(Args(), n)!r})"
-            for n in sorted(ours - theirs)), flush=True)
-    return ours & theirs
-
-
-def check_newest(path: str, ckpt: dict):
-    """Refuses to continue an older snapshot over its folder's checkpoint.pt further along."""
-    newest = os.path.join(ckpt["run_dir"], "checkpoint.pt")
-    given = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-    if os.path.isfile(newest) and not os.path.samefile(newest, given):
-        step = load_checkpoint(newest)["global_step"]
-        if step > ckpt["global_step"]:
-            fail(f"{path} holds step {ckpt['global_step']:,} but {shown_path(newest)} is further "
-                 f"along (step {step:,}), and continuing would replace it; to go back on "
-                 f"purpose, move that file aside first (mv {shown_path(newest)} "
-                 f"{shown_path(newest)[:-3]}-{step}.pt)")
-
-
-def lock_run(folder: str):
-    """One writer a run folder: runs/.NAME.lock, freed at any exit (kill -9 too), or a refusal."""
-    parent, name = os.path.split(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    lock = open(os.path.join(parent, f".{name}.lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        fail(f"{shown_path(folder)} is in use: {holder} holds its lock; wait for it to end (the "
-             f"same command then continues the run), stop it, or pick another --run-name")
-    except OSError as e:  # an NFS mount without locking: ENOLCK
-        lock.close()
-        print(f"note: {shown_path(parent)} cannot lock files ({e.strerror}): nothing stops a "
-              f"second launch of {name} from writing it too", flush=True)
-        return
-    job = f" (SLURM job {os.environ['SLURM_JOB_ID']})" if "SLURM_JOB_ID" in os.environ else ""
-    with contextlib.suppress(OSError):  # the holder, for a refused launch to name (unbuffered:
-        os.ftruncate(lock.fileno(), 0)  # on a full disk, the start's room check says so)
-        os.write(lock.fileno(), f"pid {os.getpid()} on {socket.gethostname()}{job}".encode())
-    RUN_LOCKS.append(lock)
-    for stale in glob.glob(os.path.join(folder, "*.pt.*tmp")):  # a killed writer's
-        os.remove(stale)
-
-
-def catch_stop_signals():
-    """Returns (list, release): a thread appends each stop signal read from the wakeup fd and
-    answers the first at once; a second Ctrl-C exits at once; a signal ignored at start (`cmd &`,
-    nohup) stays so. A stop during a rollout gives it up: the handler raises GiveUpRollout in the
-    main thread, where it runs between bytecodes; every 20 ms the thread nudges it (SIGURG's
-    handler) while the main thread is in the rollout but out of the vector env's calls."""
-    if threading.current_thread() is not threading.main_thread():
-        print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
-              "caller", flush=True)
-        return [], lambda: None
-    stop, (reader, writer) = [], socket.socketpair()
-    writer.setblocking(False)
-    main_thread = threading.main_thread().ident
-
-    def take_signals():
-        while True:
-            try:
-                data = reader.recv(64)  # one byte per signal, each delivery
-            except TimeoutError:  # (a stop came) the handler nudged where it can give up the
-                if in_rollout(sys._current_frames().get(main_thread)):  # rollout (it checks
-                    _thread.interrupt_main(signal.SIGURG)  # again: the main thread moves on)
-                continue
-            if not data:
-                break
-            for signum in (s for s in data if s in STOP_SIGNALS):
-                if stop and signum == signal.SIGINT:
-                    print("\nsecond Ctrl-C: exiting now without a checkpoint", file=sys.stderr)
-                    kill_workers()  # before they find the trainer gone
-                    os._exit(130)
-                if not stop:
-                    say_stopping(signum, sys._current_frames().get(main_thread))
-                stop.append(signum)
-                reader.settimeout(0.02)
-        reader.close()
-
-    def give_up_rollout(signum, frame):
-        first = stop[0] if stop else signum if signum in STOP_SIGNALS else None
-        if first is not None and in_rollout(frame) and all_ranks_give_up():
-            TRAINER["given_up"] = True  # (for say_stopping, should it look after this)
-            raise GiveUpRollout(first)
-
-    threading.Thread(target=take_signals, daemon=True).start()
-    old_fd = signal.set_wakeup_fd(writer.fileno())  # first: a signal the handlers get is written
-    old = {s: signal.signal(s, give_up_rollout) for s in (*STOP_SIGNALS, signal.SIGURG)
-           if signal.getsignal(s) != signal.SIG_IGN}
-
-    def release():
-        signal.set_wakeup_fd(old_fd)
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        writer.close()  # the thread's recv returns b"": it ends
-    return stop, release
-
-
-VECTOR_ENV_CODE = os.path.dirname(gym.vector.__file__)
-
-
-def in_rollout(frame, to_give_up=True) -> bool:
-    """Whether frame is in rollout (under torchrun: with the store the ranks agree through);
-    to_give_up: and not in a call of the vector env (an async one's pipes left half read)."""
-    inside = False
-    while frame is not None and (not dist.is_initialized() or "store" in TRAINER):
-        if to_give_up and frame.f_code.co_filename.startswith(VECTOR_ENV_CODE):
-            return False
-        inside = inside or frame.f_code is rollout.__code__
-        frame = frame.f_back
-    return inside
-
-
-def all_ranks_give_up() -> bool:
-    """Whether every rank gives up this iteration's rollout: one process, yes; under torchrun
-    only if every rank asks within 2 s (a rank past its rollout waits in a collective), agreed
-    once an iteration through torchrun's store (the first rank to decide, decides)."""
-    if not dist.is_initialized():
-        return True
-    key = str(TRAINER.get("iterations", 0))
-    if TRAINER.get("asked") == key:  # once an iteration (a handler run inside this one: no)
-        return TRAINER["answer"]
-    TRAINER["asked"], TRAINER["answer"] = key, False
-    store, deadline = TRAINER["store"], time.monotonic() + 2
-    decision = "1" if store.add(f"asking{key}", 1) == dist.get_world_size() else ""
-    while not decision and not store.check([f"decided{key}"]):
-        if time.monotonic() > deadline:
-            decision = "0"
-        time.sleep(0.02)
-    TRAINER["answer"] = store.compare_set(f"decided{key}", "", decision or "0") == b"1"
-    return TRAINER["answer"]
-
-
-def say_stopping(signum: int, frame):
-    """The answer to a first stop signal, at once: what the run does now, and what it costs (by
-    rank 0 alone under torchrun)."""
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return
-    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-    if "ended" not in TRAINER:  # not training yet, or evaluating
-        what = "nothing to checkpoint: it stops at its next step"
-    elif dist.is_initialized() and in_rollout(frame, to_give_up=False):
-        what = ("the ranks give up the rollout in progress if all are in it (else the iteration "
-                "ends) and the last whole iteration is checkpointed")
-    elif in_rollout(frame, to_give_up=False) or "given_up" in TRAINER:
-        what = "the rollout in progress is given up and the last whole iteration checkpointed now"
-    else:
-        what = "the iteration in progress ends ({}) and is checkpointed".format(
-            f"within about {TRAINER['iteration_s']:.0f} s, an iteration's time"
-            if "iteration_s" in TRAINER else "the first, not timed yet")
-    held = TRAINER.get("saved_step")
-    second = "; a second Ctrl-C quits at once without a checkpoint" + (
-        f" (the last holds step {held:,})" if held is not None else "")
-    print(f"\n{name}: stopping: {what}" + (second if signum == signal.SIGINT else ""),
-          file=sys.stderr, flush=True)
-
-
-def stop_in_rollout(stop: GiveUpRollout):
-    """A stop during a rollout: the trainer's own variables (the frame main called) and the state
-    its last whole iteration ended with are checkpointed, unless the checkpoint already holds it."""
-    trainer = stop.__traceback__.tb_next.tb_frame.f_locals  # train, or a fork's
-    (signum,), held = stop.args, TRAINER.get("saved_step")
-    if not {"args", "run_dir", "global_step", "iteration", "agent", "optimizer", "recent", "envs",
-            "writer"} <= set(trainer):
-        fail(f"stopped in a rollout; a fork's train() renamed what a stop checkpoints, so the "
-             f"checkpoint holds step {held}", code=128 + signum)
-    args, run_dir, step, writer = (trainer[k] for k in ("args", "run_dir", "global_step", "writer"))
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    env_state = all_ranks_statistics(TRAINER["states"], world_size) if "states" in TRAINER \
-        else None  # (none before a first whole iteration: the checkpoint holds the start)
-    if writer is not None and step != held:  # rank 0: the last whole iteration, as it ended
-        agent = trainer["agent"]
-        set_rng_state(TRAINER["rng"], next(agent.parameters()).device)
-        writer.flush()  # the logs reach as far as the checkpoint
-        save_checkpoint(run_dir, agent, trainer["optimizer"], env_state, args, step,
-                        trainer["iteration"] - 1, trainer["recent"], TRAINER["carry"])
-    close(trainer["envs"], writer)
-    if writer is not None:
-        say_how_to_continue(run_dir, args, step, signal.Signals(signum).name, False, world_size)
-    raise SystemExit(128 + signum)
-
-
-def own_folder(parent: str, name: str) -> str:
-    """Makes parent/name, or name__2, name__3, ... if taken (a start in the same second)."""
-    for folder in [name] + [f"{name}__{n}" for n in range(2, 10_000)]:
-        with contextlib.suppress(FileExistsError):
-            os.makedirs(os.path.join(parent, folder))
-            return folder
-
-
-def shown_path(path: str) -> str:
-    """A path as printed: relative to the working directory when inside it, else absolute."""
-    rel = os.path.relpath(path)
-    return os.path.abspath(path) if rel.startswith("..") else rel
-
-
-def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list):
+def evaluate(args: Args, device: torch.device, explicit: set[str], stops: list):
     """Plays full games (all lives, raw score) with a saved agent, until done or signalled."""
     torch.manual_seed(args.seed)  # the actions sampled
     path, state = args.eval_checkpoint, load_checkpoint(args.eval_checkpoint)
@@ -1613,7 +1580,7 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
     writer = SummaryWriter(events)
     obs, _ = envs.reset(seed=args.seed)  # seeded: the same command plays the same games
     scores, memory = [], {"starts": torch.ones(1, device=device)}
-    while len(scores) < args.eval_episodes and not signals:
+    while len(scores) < args.eval_episodes and not stops:
         with torch.inference_mode():  # actions sampled from the policy, as in training
             action = act(agent, torch.as_tensor(obs, device=device), memory)
         obs, _, terminated, truncated, infos = envs.step(action.cpu().numpy())
@@ -1627,10 +1594,10 @@ def evaluate(args: Args, device: torch.device, explicit: set[str], signals: list
         print(f"{env_id}: {np.mean(scores):.2f} ± {np.std(scores):.2f} over {len(scores)} "
               f"game{'s' if len(scores) > 1 else ''} (agent at step {step:,})", flush=True)
     close(envs, writer)
-    if signals:  # 130, 143
-        print(f"stopped by {signal.Signals(signals[0]).name} after {len(scores)} of "
+    if stops:  # 130, 143
+        print(f"stopped by {signal.Signals(stops[0]).name} after {len(scores)} of "
               f"{args.eval_episodes} games", flush=True)
-        raise SystemExit(128 + signals[0])
+        raise SystemExit(128 + stops[0])
 
 
 def quiet_storage_errors(hook_args):
@@ -1674,40 +1641,38 @@ def main(args: Args, explicit: set[str] | None = None):
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(Args)
                     if getattr(args, f.name) != getattr(Args(), f.name)}
-    TRAINER.clear()
-    signals, release = catch_stop_signals()
+    if threading.current_thread() is not threading.main_thread():
+        print("note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the "
+              "caller", flush=True)
+    stops, run = [], None
+    release = catch_stop_signals(stops)
     hook, threading.excepthook = threading.excepthook, quiet_storage_errors
-    cuda_calls = [(m, name, getattr(m, name)) for m, name in cuda_entry_points()]  # --no-cuda
     try:
         # distributed: inert without torchrun (or a launcher) setting the variables read here
         rank, world_size, local_rank, local_processes = (int(os.environ.get(k, d)) for k, d in (
             ("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
-        if args.resume is None and args.run_name is None:  # a resume is checked once merged
-            check_args(args, world_size)
         device = choose_device(args, local_rank, local_processes, say=rank == 0)
         if args.eval_checkpoint is not None:  # under torchrun, rank 0 alone plays
-            return evaluate(args, device, explicit, signals) if rank == 0 else None
+            check_args(args)
+            return evaluate(args, device, explicit, stops) if rank == 0 else None
         if world_size > 1:
             join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world_size,
                                args.dist_timeout)
-        args, ckpt = agree_on_run(args, explicit, rank, world_size)
-        if args is None:  # nothing to train: complete, or past --stop-at-step
+        args, ckpt, run = open_run(args, explicit, stops, rank, world_size)
+        if run is None:  # nothing to train: complete, or past --stop-at-step
             return close(None, None)
-        return train(args, ckpt, device, signals, rank, world_size)
-    except GiveUpRollout as stop:
-        stop_in_rollout(stop)
+        catch_stop_signals(stops, run)  # the answer to a stop now reads the run
+        return train(args, ckpt, device, run, rank, world_size)
     except OSError as e:  # an events write (checkpoints: write_atomically)
         if storage_error(e) is None:
             raise
-        cannot_write(f"the events in {shown_path(TRAINER.get('run_dir', args.runs_dir))}",
-                     storage_error(e))
+        cannot_write(f"the events in {shown_path(run.folder if run else args.runs_dir)}",
+                     storage_error(e), run.saved_step if run else None)
     finally:
         release()
         threading.excepthook = hook
-        while RUN_LOCKS:  # (main in a test's process: the next main may lock the folder)
-            RUN_LOCKS.pop().close()
-        for module, name, call in cuda_calls:
-            setattr(module, name, call)
+        if run is not None and run.lock is not None:  # (a next main() in this process may lock)
+            run.lock.close()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The command line: --help is clean, bad input fails with one line, exit 2, and nothing on disk."""
+import contextlib
 import importlib.util
 import os
 import py_compile
+import re
 import shutil
+import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import tyro
@@ -26,6 +28,18 @@ def test_help_is_clean_with_user_warnings_as_errors(tmp_path):
         assert flag in out.stdout
     assert "--batch-size" not in out.stdout and "--num-iterations" not in out.stdout
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_the_resume_help_names_what_a_resume_may_change():
+    """--resume's help line lists the options a resume may change: the ones the resume checks
+    let through (RESUME_OVERRIDABLE), no more and no fewer."""
+    field = "    resume: str | None = None\n"
+    need(what="Args' line `resume: str | None = None` and its docstring", problem=None if (
+        open(SCRIPT).read().count(field) == 1 and hasattr(P, "RESUME_OVERRIDABLE")) else
+        "this copy has another")
+    doc = open(SCRIPT).read().split(field, 1)[1].split('"""')[1]
+    named = set(re.findall(r"--([a-z-]+)", doc))
+    assert named == {n.replace("_", "-") for n in P.RESUME_OVERRIDABLE - {"resume"}}, named
 
 
 BAD = {
@@ -161,6 +175,14 @@ def test_each_example_fork_trains_stops_resumes_and_evaluates(fork, tmp_path, mo
     assert events.startswith("step128-"), events
 
 
+def continue_line(capsys, args, step, stopped, stopped_early, world_size=1):
+    """The last line end_run prints for a run in runs/x stopped by SIGTERM (or --stop-at-step)."""
+    run = P.Run("runs/x", [signal.SIGTERM] if stopped else [], {})
+    with contextlib.suppress(SystemExit):
+        P.end_run(run, args, step, stopped, stopped_early, 0, world_size)
+    return capsys.readouterr().out.splitlines()[-1]
+
+
 def test_the_continue_line_is_the_same_command(capsys, monkeypatch):
     """A stopped run prints the line that continues it: `python ppo_atari.py ...` when that
     `python` (on PATH) is this interpreter, as README promises; the full path when it is not."""
@@ -168,40 +190,23 @@ def test_the_continue_line_is_the_same_command(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
     for on_path, expected in ((sys.executable, "python"), (None, sys.executable)):
         monkeypatch.setattr(P.shutil, "which", lambda name: on_path if name == "python" else None)
-        P.say_how_to_continue("runs/x", P.Args(), 64, "SIGTERM", False, 1)
-        line = capsys.readouterr().out.splitlines()[-1]
+        line = continue_line(capsys, P.Args(), 64, True, False)
         assert line.endswith(f"continue with: {expected} ppo_atari.py --resume runs/x"), line
 
 
-def test_the_continue_line_keeps_the_launch_only_options_and_torchruns_own(capsys, monkeypatch,
-                                                                         tmp_path):
+def test_the_continue_line_keeps_the_launch_only_options_and_names_torchruns(capsys, monkeypatch):
     """--no-cuda, --threads and a planned --stop-at-step are not saved in the checkpoint, so the
     line repeats them (a CPU run on a GPU machine resumes on the CPU); under torchrun the line
-    keeps the agent's own options as it was started (--standalone, rendezvous), read from the
-    parent process: here a stand-in parent named torchrun, started with them, that sleeps."""
+    asks for the same launcher and options (the file does not read them) before the script's."""
     need("main")
     monkeypatch.setattr(sys, "argv", ["ppo_atari.py"])
     monkeypatch.setattr(P.shutil, "which", lambda name: sys.executable)
     args = P.Args(cuda=False, threads=3, stop_at_step=5000)
-    P.say_how_to_continue("runs/x", args, 64, "SIGTERM", False, 1)
-    line = capsys.readouterr().out.splitlines()[-1]
+    line = continue_line(capsys, args, 64, True, False)
     assert line.endswith("continue with: python ppo_atari.py --resume runs/x --no-cuda --threads 3 "
                          "--stop-at-step 5000"), line
-    P.say_how_to_continue("runs/x", args, 5120, False, True, 1)  # the stop reached: dropped
-    line = capsys.readouterr().out.splitlines()[-1]
+    line = continue_line(capsys, args, 5120, False, True)  # the stop reached: dropped
     assert line.endswith("python ppo_atari.py --resume runs/x --no-cuda --threads 3"), line
-    (tmp_path / "torchrun").write_text("import time\ntime.sleep(60)\n")
-    agent = subprocess.Popen([sys.executable, str(tmp_path / "torchrun"), "--standalone",
-                              "--nproc_per_node", "2", "--rdzv-id", "job 7", "ppo_atari.py",
-                              "--run-name", "x"])
-    try:
-        monkeypatch.setattr(P.os, "getppid", lambda: agent.pid)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        time.sleep(0.5)  # its command line is readable once it has started
-        P.say_how_to_continue("runs/x", P.Args(), 64, "SIGTERM", False, 2)
-    finally:
-        agent.kill()
-        agent.wait()
-    line = capsys.readouterr().out.splitlines()[-1]
-    assert line.endswith("continue with: torchrun --standalone --nproc_per_node 2 --rdzv-id "
-                         "'job 7' ppo_atari.py --resume runs/x"), line
+    line = continue_line(capsys, P.Args(), 64, True, False, world_size=2)
+    assert line.endswith("continue with: the same torchrun launcher and options, then: "
+                         "ppo_atari.py --resume runs/x"), line

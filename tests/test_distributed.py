@@ -173,8 +173,9 @@ def test_a_rank_that_starts_late_joins_when_init_returns_at_once(tmp_path):
 def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     """torchrun, 2 processes, 4 iterations (a fork's phase every k <= 4 iterations that skips
     the gradient all-reduce makes the ranks' weights part): identical weights, one writer
-    counting both ranks' steps; a stop prints a torchrun line (a plain python line would be
-    refused by the world-size check) that continues the run, here with async env workers
+    counting both ranks' steps; a stop prints the script's line to run under the same torchrun
+    launcher (a plain python launch would be refused by the world-size check), which continues
+    the run, here with async env workers
     started after the process group; once more it has nothing to train and each rank leaves
     its group destroyed; rank 0 alone evaluates. The Agent's first layer is frozen throughout:
     parameters without a gradient (frozen, or an unused head) are left out of the all-reduce
@@ -201,11 +202,10 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert tallies() == [128, 128, 256, 256], tallies()
     line = next(x for x in out.stdout.splitlines()
                 if "by --stop-at-step; checkpoint written; continue with: " in x)
-    command = shlex.split(line.split(" with: ", 1)[1])
+    assert " with: the same torchrun launcher and options, then: " in line, line
+    command = shlex.split(line.split(", then: ", 1)[1])
     at = next(i for i, token in enumerate(command) if token.endswith("harness.py"))
-    assert command[:at] == ["torchrun", "--nproc_per_node", "2", "--master_port",
-                            command[4]], line  # torchrun's options as it was started
-    assert command[at + 1] == "--resume" and "--no-cuda" in command[at:], line
+    assert at == 0 and command[1] == "--resume" and "--no-cuda" in command, line
 
     for backend in ("async", "sync"):  # the rest of the run, then nothing left to train
         out = torchrun(tmp_path, *command[at + 1:], "--env-backend", backend,

@@ -1,6 +1,7 @@
 """Dependable wherever the file is called: whatever a fork keeps in carry loads again, what it
 cannot hold is refused at once, and every entry point (a thread, an evaluation, a torchrun
 restart, a resume under another name) ends as the user expects, in real processes."""
+import importlib.util
 import inspect
 import os
 import signal
@@ -8,13 +9,12 @@ import subprocess
 import sys
 import time
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, bound, free_port, launch, need, run_dirs, run_script
+from conftest import SCRIPT, TINY, bound, launch, need, need_text, run_dirs, run_script
 
 # one key per kind a fork may keep; each must come back as it was (numpy as numpy, same dtype)
 KINDS = {
@@ -238,10 +238,9 @@ def test_a_torchrun_restart_without_a_run_name_continues_its_run(tmp_path):
     assert P.load_checkpoint(run)["global_step"] == 256
 
 
-def test_signals_reach_the_wakeup_fd_from_the_first_handler_on(monkeypatch):
-    """The wakeup fd is set before the handlers: a signal that comes the instant its handler is
-    installed (here: sent by signal.signal itself) is taken, not lost (with the fd set after,
-    Python would run the no-op handler and nothing would record it)."""
+def test_a_signal_the_instant_its_handler_is_set_is_recorded(monkeypatch):
+    """The handler records a stop signal in the list the loop reads, from the instant it is
+    installed (here the signal is sent by signal.signal itself)."""
     need("main")
     real = signal.signal
 
@@ -252,11 +251,9 @@ def test_signals_reach_the_wakeup_fd_from_the_first_handler_on(monkeypatch):
         return old
     saved = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     monkeypatch.setattr(signal, "signal", install_then_signal)
-    stop, release = P.catch_stop_signals()
+    stop = []
+    release = P.catch_stop_signals(stop)
     try:
-        deadline = time.time() + 5
-        while not stop and time.time() < deadline:
-            time.sleep(0.01)
         assert stop == [signal.SIGTERM], "the signal sent as its handler was set was lost"
     finally:
         release()
@@ -265,34 +262,91 @@ def test_signals_reach_the_wakeup_fd_from_the_first_handler_on(monkeypatch):
             signal.signal(s, h)
 
 
-def test_the_async_workers_private_entry_is_the_one_env_worker_was_written_for():
-    """env_worker runs gymnasium's private async_vector_env._async_worker (gymnasium 1.4's
-    signature); requirements.txt pins the gymnasium releases the suite ran. A gymnasium that
-    changes it fails here in one line instead of in every async worker."""
-    worker = getattr(gym.vector.async_vector_env, "_async_worker", None)
-    expected = ["index", "env_fn", "pipe", "parent_pipe", "shared_memory", "error_queue",
-                "autoreset_mode", "semaphore"]
-    found = list(inspect.signature(worker).parameters) if worker else None
-    assert found == expected, f"gymnasium {gym.__version__} changed _async_worker: " \
-        f"{found} instead of {expected}; pin gymnasium to 1.4 (requirements.txt)"
+def test_a_forks_vector_wrapper_trains_stops_and_resumes_with_its_statistics(workdir):
+    """A fork that wraps the vector env in one of gymnasium's vector wrappers (reward
+    normalization, in make_envs): the machinery reaches the envs through gymnasium's public API
+    (envs.unwrapped.call), so the run trains, checkpoints the wrapper's running statistics
+    (checkpointed under "vector") and a resume continues them without a note."""
+    line = "    return envs\n"
+    need_text(line, "make_envs' last line `return envs`, which the test wraps")
+    source = open(SCRIPT).read().replace(
+        line, "    return gym.wrappers.vector.NormalizeReward(envs, gamma=args.gamma)\n")
+    (workdir / "normalized.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("normalized", workdir / "normalized.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+    args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                threads=1, total_timesteps=128, run_name="normalized")
+    M.main(M.Args(**args, stop_at_step=64))
+    saved = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
+    count = M.from_saved(saved["NormalizeReward.return_rms"])["count"]
+    assert count > 64, f"the running statistics of 64 steps were not checkpointed: {saved}"
+    out = subprocess.run([sys.executable, "normalized.py", "--run-name", "normalized",
+                          "--total-timesteps", "128", "--num-envs", "2", "--num-steps", "32",
+                          "--num-minibatches", "2", "--update-epochs", "1", "--no-cuda",
+                          "--threads", "1"], cwd=workdir, capture_output=True, text=True,
+                         timeout=200)
+    assert out.returncode == 0 and "note: " not in out.stdout, (out.stdout, out.stderr[-2000:])
+    final = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
+    assert M.from_saved(final["NormalizeReward.return_rms"])["count"] > count + 60
 
 
-def test_no_cuda_replaces_every_lazy_init_torch_cuda_holds(monkeypatch):
-    """--no-cuda: torch.cuda.memory and torch.cuda.random import _lazy_init by name, so
-    replacing torch.cuda's alone left them able to start CUDA; every loaded torch.cuda module's
-    is replaced until main returns. A memory call shows it: on this CPU build the real one
-    fails as 'not compiled with CUDA', the replacement as a --no-cuda run. What it cannot show:
-    a real GPU (test_cuda.py's --no-cuda run does, where there is one)."""
+def test_no_cuda_hides_the_gpus_before_torch_counts_them(monkeypatch, capsys):
+    """--no-cuda sets CUDA_VISIBLE_DEVICES to "" before torch counts the GPUs, for this process
+    and the workers it starts; where torch counted them before main() (a notebook asked), the
+    run says in one line that it cannot hide them. Stand-in: torch's count, kept from its first
+    question as the real one is. What it cannot show: a real GPU (test_cuda.py's --no-cuda run
+    does, where there is one)."""
     need("main")
-    for module, name in P.cuda_entry_points():
-        monkeypatch.setattr(module, name, getattr(module, name))
+    counted = []
+
+    def is_available():
+        counted.append(counted[0] if counted else os.environ.get("CUDA_VISIBLE_DEVICES") != "")
+        return counted[-1]
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     choose = getattr(P.choose_device, "real", P.choose_device)
     before = torch.get_num_threads()
     try:
-        choose(P.Args(cuda=False, threads=1), 0, 1, say=False)
-        with pytest.raises(RuntimeError, match="no CUDA in a --no-cuda run"):
-            torch.cuda.memory.get_per_process_memory_fraction()
-        with pytest.raises(RuntimeError, match="no CUDA in a --no-cuda run"):
-            torch.cuda.random.manual_seed(0) or torch.cuda.random.get_rng_state()
+        assert choose(P.Args(cuda=False, threads=1), 0, 1, say=False).type == "cpu"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and counted == [False]
+        assert "note: " not in capsys.readouterr().out
+        counted[:] = [True]  # torch counted a GPU before main()
+        assert choose(P.Args(cuda=False, threads=1), 0, 1, say=False).type == "cpu"
+        assert "so --no-cuda cannot hide them" in capsys.readouterr().out
     finally:
         torch.set_num_threads(before)
+
+
+CLOSED_STDERR = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import ppo_atari as P
+read, write = os.pipe()
+os.close(read)
+os.dup2(write, 2)  # stderr: a pipe whose reader is gone (a sweep's closed log)
+real = P.log_iteration
+def log_iteration(*a, **kw):  # a SIGTERM as iteration 1 is logged
+    real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGTERM)
+P.log_iteration = log_iteration
+try:
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  threads=1, total_timesteps=100000, run_name="sweep"))
+except SystemExit as e:
+    print("exit", e.code, flush=True)
+"""
+
+
+def test_main_from_a_script_whose_stderr_is_closed_still_stops_on_sigterm(tmp_path):
+    """A sweep script calls main() with its stderr a closed pipe (not wrapped: not run as a
+    script): the answer to the stop cannot be written, and the stop holds all the same: the
+    iteration is checkpointed and main exits 143."""
+    need("main")
+    (tmp_path / "sweep.py").write_text(CLOSED_STDERR)
+    out = subprocess.run([sys.executable, "sweep.py", os.path.dirname(SCRIPT)], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         timeout=200)
+    assert "exit 143" in out.stdout and "stopped at step 64 of 100,000 by SIGTERM" in out.stdout, \
+        out.stdout[-2000:]
+    assert P.load_checkpoint(str(tmp_path / "runs" / "sweep"))["global_step"] == 64

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, Launched, free_port, launch, left_in_session, need, run_dirs,
+from conftest import (SCRIPT, TINY, Launched, free_port, is_repository_file, launch,
+                      left_in_session, need, run_dirs,
                       run_in_process, scalars)
 
 ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
@@ -73,10 +74,10 @@ def test_ctrl_c_and_sigterm_checkpoint_and_the_same_command_finishes_with_clean_
 
 
 def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(monkeypatch, capsys):
-    """The first Ctrl-C asks for a stop at the iteration's end; the second exits at once."""
-    exits = []
+    """The first Ctrl-C is recorded for the loop to read; the second exits at once."""
+    exits, stop = [], []
     monkeypatch.setattr(os, "_exit", exits.append)
-    stop, release = P.catch_stop_signals()
+    release = P.catch_stop_signals(stop)
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert wait_for(lambda: stop == [signal.SIGINT]) and exits == []
@@ -88,7 +89,7 @@ def test_a_second_ctrl_c_exits_at_once_without_a_checkpoint(monkeypatch, capsys)
 
 
 def wait_for(condition, seconds=5.0) -> bool:
-    """Whether condition() holds within seconds (the signals are taken by a thread)."""
+    """Whether condition() holds within seconds."""
     deadline = time.time() + seconds
     while not condition() and time.time() < deadline:
         time.sleep(0.01)
@@ -214,7 +215,7 @@ def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker
 # the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
 # Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped;
 # THEN_RAISE=1 makes that call raise a RuntimeError once the file has recorded the signal (in
-# the list catch_stop_signals returned: its thread reads the wakeup fd), or after 10 s without.
+# the list catch_stop_signals was given), or after 10 s without.
 KILLER = """
 import importlib.util, os, signal, sys, time
 import gymnasium as gym
@@ -227,10 +228,9 @@ where, name, nth = os.environ["KILL_AT"].split(":")
 sig, seen, stops = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), [], []
 if hasattr(P, "catch_stop_signals"):  # keep the list a signal is recorded in
     real_catch = P.catch_stop_signals
-    def catch(*a, **kw):
-        stop, release = real_catch(*a, **kw)
+    def catch(stop, *a, **kw):
         stops.append(stop)
-        return stop, release
+        return real_catch(stop, *a, **kw)
     P.catch_stop_signals = catch
 
 class Finalizer:
@@ -379,7 +379,7 @@ def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
     need("main")  # the harness wraps update whatever its arguments
     need(what="a function update that train calls once per iteration",
          problem=None if callable(getattr(P, "update", None)) else "this copy has none")
-    need(what="catch_stop_signals() -> (the list a signal is recorded in, release)",
+    need(what="catch_stop_signals(the list a signal is recorded in, ...) -> release",
          problem=None if callable(getattr(P, "catch_stop_signals", None)) else "none here")
     out = killed_at(tmp_path, "call:update:2", SIGNAL="SIGTERM", THEN_RAISE="1")
     assert "RuntimeError: the signal was never recorded" not in out.stderr, out.stderr[-2000:]
@@ -440,24 +440,6 @@ def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answere
         f"Ctrl-C: the stop waited for the rollout in progress")
 
 
-def test_a_stop_mid_rollout_in_a_train_whose_variables_were_renamed_says_so(capsys):
-    """What a stop mid-rollout checkpoints is read from the variables of the train() main
-    called; a fork's that renamed them ends in one line with the step the checkpoint holds."""
-    need(what="GiveUpRollout and stop_in_rollout", problem=None if hasattr(
-        P, "stop_in_rollout") else "none here")
-
-    def forks_train():
-        model, steps = None, 0  # agent, global_step under other names
-        raise P.GiveUpRollout(signal.SIGTERM)
-    try:
-        forks_train()
-    except P.GiveUpRollout as stop:
-        with pytest.raises(SystemExit) as stopped:
-            P.stop_in_rollout(stop)
-    assert stopped.value.code == 143
-    assert "renamed what a stop checkpoints" in capsys.readouterr().err
-
-
 def test_checkpoint_minutes_bounds_what_a_kill_9_loses(tmp_path):
     """--checkpoint-interval 1000 with --checkpoint-minutes 0.001 (0.06 s): by the first progress
     line's end of iteration a checkpoint is written, which a kill -9 keeps."""
@@ -513,9 +495,9 @@ def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_
 
 def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process(tmp_path):
     """torchrun --standalone, two ranks with async envs and rollouts of seconds, SIGTERM to the
-    agent (a scheduler's stop) as iteration 2's rollouts begin: the ranks agree to give them up
-    (not inside an async step), rank 0 writes iteration 1's checkpoint and prints the line that
-    continues the run (torchrun's own --standalone in it); no worker traceback, no
+    agent (a scheduler's stop) as iteration 2's rollouts begin: every rank ends iteration 2 (the
+    stop agreed in the iteration's one all-reduce), rank 0 writes its checkpoint and prints the
+    line that continues the run (the same torchrun launcher); no worker traceback, no
     leaked-resource warning, every process of the job gone. The agent itself exits 1 with its
     SignalException traceback: torch's elastic agent raises it after passing the signal on
     (torch 2.13), which the file cannot change; README says so. Ctrl-C under torchrun: the
@@ -541,17 +523,17 @@ def test_a_stopped_torchrun_with_async_workers_checkpoints_and_leaves_no_process
         assert noise not in ours, err[-3000:]
     (resume,) = [x.split("continue with: ", 1)[1] for x in out.splitlines()
                  if "continue with: " in x]
-    assert resume.startswith("torchrun --standalone --nproc_per_node 2 "), resume
+    assert resume.startswith("the same torchrun launcher and options, then: "), resume
     held = P.load_checkpoint(str(tmp_path / "runs" / "tr"))
-    assert held["global_step"] == 1024 and len(held["env_statistics"][
-        "RecordEpisodeStatistics.episode_count"]) == 4, (held["global_step"], "not iteration 1")
+    assert held["global_step"] == 2048 and len(held["env_statistics"][
+        "RecordEpisodeStatistics.episode_count"]) == 4, (held["global_step"], "not iteration 2")
 
 
 def test_a_two_node_torchrun_job_stopped_with_async_workers(tmp_path):
     """Two torchrun agents as two nodes (one rank each, async envs, node-local folders), one
     stopped by SIGTERM to its agent (a scheduler's), the other by Ctrl-C to its process group (a
     terminal's): rank 0 writes the checkpoint and prints the line that continues the run with
-    the rendezvous options it was started with; no worker traceback or leaked-resource warning
+    the same torchrun launcher; no worker traceback or leaked-resource warning
     on either node, no process of either left. Each agent exits 1 (torch's SignalException, as
     README says)."""
     port, agents, logs = free_port(), [], []
@@ -588,8 +570,7 @@ def test_a_two_node_torchrun_job_stopped_with_async_workers(tmp_path):
             assert noise not in ours, err[-3000:]
     (resume,) = [x.split("continue with: ", 1)[1] for out in outs for x in out.splitlines()
                  if "continue with: " in x]
-    assert resume.startswith(f"torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d "
-                             f"--rdzv_endpoint 127.0.0.1:{port} "), resume
+    assert resume.startswith("the same torchrun launcher and options, then: "), resume
     (run,) = [tmp_path / f"node{n}" / "runs" / "mn" for n in (0, 1) if "continue with" in outs[n]]
     assert P.load_checkpoint(str(run))["global_step"] >= 2 * ITER
 
@@ -652,3 +633,42 @@ def test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration(tmp_
     assert P.load_checkpoint(str(folders[0] / "runs" / "one"))["global_step"] == step
     assert not any((f / "runs" / "one" / "checkpoint.pt").exists() for f in folders[1:])
     assert seconds < 30, f"rank 0 stopped {seconds:.0f} s after rank 1: at --dist-timeout"
+
+
+def test_a_fork_that_renamed_trains_variables_and_decorated_its_phases_stops_right(tmp_path):
+    """tests/forks/renamed.diff renames train's variables (agent, optimizer, global_step,
+    iteration, ...) and decorates rollout, make_batch and update (torch.profiler's
+    record_function; torch.no_grad on rollout), as a tidy or profiled fork does. A SIGTERM in
+    iteration 2's rollout gives it up and checkpoints iteration 1; one as update 2 begins lets
+    it end and checkpoints iteration 2; the same command then finishes the run, every iteration
+    logged once."""
+    if not is_repository_file():
+        pytest.skip("renamed.diff is a diff of the repository's ppo_atari.py, not of a copy")
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    shutil.copy(SCRIPT, fork / "ppo_atari.py")
+    diff = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forks", "renamed.diff")
+    subprocess.run(["git", "apply", "-p0", diff], cwd=fork, check=True, timeout=60)
+    script = str(fork / "ppo_atari.py")
+    rollout, update = tmp_path / "rollout", tmp_path / "update"
+    rollout.mkdir()
+    update.mkdir()
+    proc = launch([*TINY, "--num-steps", "256", "--update-epochs", "1", "--total-timesteps",
+                   "100000", "--run-name", "long"], rollout, script=script)
+    assert proc.line_starting("step 512/"), proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    held = P.load_checkpoint(str(rollout / "runs" / "long"))
+    assert proc.returncode == 143 and "by SIGTERM; checkpoint written" in out, err[-2000:]
+    assert (held["global_step"], held["iteration"]) == (512, 1), (held["global_step"],
+                                                                   held["iteration"])
+    stopped = killed_at(update, "call:make_batch:2", SIGNAL="SIGTERM", PPO_ATARI_SCRIPT=script)
+    held = P.load_checkpoint(str(update / "runs" / "job"))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert (held["global_step"], held["iteration"]) == (2 * ITER, 2), (held["global_step"],
+                                                                       held["iteration"])
+    again = subprocess.run([sys.executable, script, *JOB], cwd=update, capture_output=True,
+                           text=True, timeout=200)
+    assert again.returncode == 0 and f"continuing runs/job at step {2 * ITER}" in again.stdout, \
+        again.stderr[-2000:]
+    assert_finished(str(update / "runs" / "job"))

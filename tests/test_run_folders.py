@@ -245,3 +245,54 @@ def test_small_bad_input_writes_nothing_and_durations_survive_a_clock_step(workd
     logged = scalars(str(workdir / "runs" / "clock"))
     for tag in ("charts/rollout_time", "charts/update_time", "charts/SPS"):
         assert all(0 < v < 3600 for _, v in logged[tag]), (tag, logged[tag])
+
+
+def test_a_run_continues_only_with_the_file_that_trained_it(tmp_path):
+    """The checkpoint records the file that wrote it (its name, a hash of its core): the same
+    command with another file (the baseline over a fork's run), or with this file's core edited,
+    is refused in one line naming both and the step held, and writes nothing; an edit below the
+    fence changes nothing; --allow-other-file continues on purpose, and the run's events record
+    it."""
+    need("main")
+    source = open(SCRIPT).read()
+    fence = "# ================================= THE FENCE"
+    if source.count(fence) != 1:
+        need(what="one line `# ===... THE FENCE ===...`", problem="this copy has none")
+    (tmp_path / "fork.py").write_text(source)
+    core, machinery = source.split(fence)
+    (tmp_path / "ppo_atari.py").write_text(core.replace(
+        '"""coefficient of the entropy bonus"""', '"""the entropy bonus\'s coefficient"""') +
+        fence + machinery)
+    (tmp_path / "below.py").write_text(source + "\n# an edit below the fence\n")
+    command = [*TINY, "--total-timesteps", "192", "--run-name", "local-fork-s1"]
+    out = subprocess.run([sys.executable, "fork.py", *command, "--stop-at-step", "64"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "runs" / "local-fork-s1"
+    before = sorted(os.listdir(run)), (run / "checkpoint.pt").read_bytes()
+    for script in ("ppo_atari.py", "below.py"):
+        out = subprocess.run([sys.executable, script, *command, "--stop-at-step", "128"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=200)
+        if script == "ppo_atari.py":
+            err = out.stderr.strip().splitlines()
+            assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+            assert "(step 64) was trained by fork.py (core " in err[0] and "not by this " \
+                "ppo_atari.py (core " in err[0] and "--allow-other-file" in err[0], err[0]
+            assert (sorted(os.listdir(run)), (run / "checkpoint.pt").read_bytes()) == before
+        else:
+            assert out.returncode == 2 and "was trained by fork.py" in out.stderr, \
+                "another file's name must be refused too"
+    out = subprocess.run([sys.executable, "fork.py", *command, "--stop-at-step", "128"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0 and "continuing runs/local-fork-s1 at step 64" in out.stdout, \
+        out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "ppo_atari.py", *command, "--allow-other-file"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0 and P.load_checkpoint(str(run))["global_step"] == 192, \
+        out.stderr[-2000:]
+    from tensorboard.backend.event_processing import event_accumulator
+    acc = event_accumulator.EventAccumulator(str(run), size_guidance={"tensors": 0})
+    acc.Reload()
+    launches = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("launch/text_summary")]
+    assert any("with --allow-other-file, continues what fork.py (core" in t for t in launches), \
+        launches
