@@ -49,9 +49,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "forks: the example forks of tests/forks/ trained, "
                             "stopped, resumed and evaluated; run only when asked for: "
                             "`python -m pytest tests -m forks`")
-    # Ctrl-C as a terminal has it, whoever started pytest: an ignored SIGINT (pytest run as a
-    # script's background job) would stay ignored in every trainer the tests start
+    # the signals as a terminal gives them, whoever started pytest: one ignored here (pytest as a
+    # script's `&` job: SIGINT; under nohup: SIGHUP) would stay ignored in every process the
+    # tests start (a test that wants one ignored says so: launch(..., ignored=...))
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        if signal.getsignal(s) == signal.SIG_IGN:
+            signal.signal(s, signal.SIG_DFL)
     config.option.loadscopereorder = False  # xdist: the order LONGEST_FIRST gives, not by count
     SCRIPT = os.path.abspath(config.getoption("--script") or os.environ.get("PPO_ATARI_SCRIPT")
                              or SCRIPT)
@@ -610,14 +614,15 @@ def run_script(args, cwd, script=None, timeout=300, env=None):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_in_process(args, cwd) -> subprocess.CompletedProcess:
+def run_in_process(args, cwd, module=None) -> subprocess.CompletedProcess:
     """The script's command line run in this process, as its `__main__` line runs it: exit
     code, stdout and stderr. For checks where a process of its own is not the point; each launch
-    saved is seconds of torch's import."""
+    saved is seconds of torch's import. module: another copy, imported (default: the script's)."""
     import contextlib
     import io
     import tyro
-    import ppo_atari as P
+    import ppo_atari
+    P = module or ppo_atari
     out, err, code, before = io.StringIO(), io.StringIO(), 0, os.getcwd()
     os.chdir(cwd)
     try:

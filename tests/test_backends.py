@@ -114,10 +114,7 @@ def test_torch_threads_are_the_allocation_split_over_torchruns_local_processes(m
     """Without --threads, each process takes its share of the allocation's cores (two ranks on
     8 cores: 4 threads each, so that they do not oversubscribe); --threads overrides it."""
     choose = getattr(P.choose_device, "real", P.choose_device)  # not the suite's one thread
-    # --no-cuda replaces torch.cuda entry points until main returns: put back after the test
-    entry_points = getattr(P, "cuda_entry_points", lambda: [(torch.cuda, "is_available")])
-    for module, name in entry_points():
-        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # (--no-cuda sets it: restored after)
     monkeypatch.setattr(P, "usable_cores", lambda: 8)
     before = torch.get_num_threads()
     try:

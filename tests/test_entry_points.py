@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ppo_atari as P
-from conftest import SCRIPT, TINY, bound, launch, need, need_text, run_dirs, run_script
+from conftest import (SCRIPT, TINY, bound, launch, need, need_text, run_dirs, run_in_process,
+                      run_script)
 
 # one key per kind a fork may keep; each must come back as it was (numpy as numpy, same dtype)
 KINDS = {
@@ -275,17 +276,13 @@ def test_a_forks_vector_wrapper_trains_stops_and_resumes_with_its_statistics(wor
     spec = importlib.util.spec_from_file_location("normalized", workdir / "normalized.py")
     M = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(M)
-    args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
-                threads=1, total_timesteps=128, run_name="normalized")
-    M.main(M.Args(**args, stop_at_step=64))
+    command = [*TINY, "--run-name", "normalized", "--total-timesteps", "128"]
+    out = run_in_process([*command, "--stop-at-step", "64"], workdir, M)
+    assert out.returncode == 0, out.stderr[-2000:]
     saved = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
     count = M.from_saved(saved["NormalizeReward.return_rms"])["count"]
     assert count > 64, f"the running statistics of 64 steps were not checkpointed: {saved}"
-    out = subprocess.run([sys.executable, "normalized.py", "--run-name", "normalized",
-                          "--total-timesteps", "128", "--num-envs", "2", "--num-steps", "32",
-                          "--num-minibatches", "2", "--update-epochs", "1", "--no-cuda",
-                          "--threads", "1"], cwd=workdir, capture_output=True, text=True,
-                         timeout=200)
+    out = run_in_process(command, workdir, M)
     assert out.returncode == 0 and "note: " not in out.stdout, (out.stdout, out.stderr[-2000:])
     final = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
     assert M.from_saved(final["NormalizeReward.return_rms"])["count"] > count + 60

@@ -304,8 +304,9 @@ INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its e
     "writing the final agent.pt": ("rename:agent.pt:5", JOB, {}, -9),  # (4 iterations)
     # Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
     # is, and one raised in a finalizer (__del__) is printed and dropped: the run trained on
-    # as if never signalled. Caught from main's first instant, it stops after one iteration.
-    "Ctrl-C inside a finalizer during start-up": ("call:make_envs:1", JOB,
+    # as if never signalled. Caught from main's first instant (here: as the run folder is
+    # decided, before training), it checkpoints step 0 and stops.
+    "Ctrl-C inside a finalizer during start-up": ("call:open_run:1", JOB,
                                                   {"SIGNAL": "SIGINT", "SWALLOW": "1"}, 130),
     # Ctrl-C and SLURM's SIGTERM reach the whole group, async workers still starting too: they
     # must survive it (born with both blocked), and the trainer stops after its first iteration

@@ -3,6 +3,7 @@ freed by any exit of its holder; node-local runs/ folders that disagree stop eve
 torchrun jobs in one second get a folder each; a checkpoint of another version of the file, an
 older snapshot over a newer checkpoint, and --runs-dir from another working directory."""
 import errno
+import importlib.util
 import os
 import shutil
 import signal
@@ -252,42 +253,41 @@ def test_a_run_continues_only_with_the_file_that_trained_it(tmp_path):
     command with another file (the baseline over a fork's run), or with this file's core edited,
     is refused in one line naming both and the step held, and writes nothing; an edit below the
     fence changes nothing; --allow-other-file continues on purpose, and the run's events record
-    it."""
+    it. (Each copy imported in this process: the file's name and text are what count.)"""
     need("main")
     source = open(SCRIPT).read()
     fence = "# ================================= THE FENCE"
     if source.count(fence) != 1:
         need(what="one line `# ===... THE FENCE ===...`", problem="this copy has none")
-    (tmp_path / "fork.py").write_text(source)
     core, machinery = source.split(fence)
-    (tmp_path / "ppo_atari.py").write_text(core.replace(
-        '"""coefficient of the entropy bonus"""', '"""the entropy bonus\'s coefficient"""') +
-        fence + machinery)
-    (tmp_path / "below.py").write_text(source + "\n# an edit below the fence\n")
+    edited = core.replace('"""coefficient of the entropy bonus"""',
+                          '"""the entropy bonus\'s coefficient"""') + fence + machinery
+    copies = {"fork.py": source, "baseline/ppo_atari.py": edited, "core/fork.py": edited,
+              "below/fork.py": source + "\n# an edit below the fence\n"}
+    modules = {}
+    for name, text in copies.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+        spec = importlib.util.spec_from_file_location(name[:-3].replace("/", "_"), tmp_path / name)
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
     command = [*TINY, "--total-timesteps", "192", "--run-name", "local-fork-s1"]
-    out = subprocess.run([sys.executable, "fork.py", *command, "--stop-at-step", "64"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    out = run_in_process([*command, "--stop-at-step", "64"], tmp_path, modules["fork.py"])
     assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "runs" / "local-fork-s1"
     before = sorted(os.listdir(run)), (run / "checkpoint.pt").read_bytes()
-    for script in ("ppo_atari.py", "below.py"):
-        out = subprocess.run([sys.executable, script, *command, "--stop-at-step", "128"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=200)
-        if script == "ppo_atari.py":
-            err = out.stderr.strip().splitlines()
-            assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
-            assert "(step 64) was trained by fork.py (core " in err[0] and "not by this " \
-                "ppo_atari.py (core " in err[0] and "--allow-other-file" in err[0], err[0]
-            assert (sorted(os.listdir(run)), (run / "checkpoint.pt").read_bytes()) == before
-        else:
-            assert out.returncode == 2 and "was trained by fork.py" in out.stderr, \
-                "another file's name must be refused too"
-    out = subprocess.run([sys.executable, "fork.py", *command, "--stop-at-step", "128"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    for name, other in (("baseline/ppo_atari.py", "ppo_atari.py"), ("core/fork.py", "fork.py")):
+        out = run_in_process([*command, "--stop-at-step", "128"], tmp_path, modules[name])
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+        assert "(step 64) was trained by fork.py (core " in err[0] and f"not by this {other} " \
+            "(core " in err[0] and "--allow-other-file" in err[0], err[0]
+        assert (sorted(os.listdir(run)), (run / "checkpoint.pt").read_bytes()) == before
+    out = run_in_process([*command, "--stop-at-step", "128"], tmp_path, modules["below/fork.py"])
     assert out.returncode == 0 and "continuing runs/local-fork-s1 at step 64" in out.stdout, \
         out.stderr[-2000:]
-    out = subprocess.run([sys.executable, "ppo_atari.py", *command, "--allow-other-file"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    out = run_in_process([*command, "--allow-other-file"], tmp_path,
+                         modules["baseline/ppo_atari.py"])
     assert out.returncode == 0 and P.load_checkpoint(str(run))["global_step"] == 192, \
         out.stderr[-2000:]
     from tensorboard.backend.event_processing import event_accumulator
