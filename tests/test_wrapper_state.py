@@ -120,23 +120,3 @@ def test_numpy_state_round_trips_through_a_weights_only_load(tmp_path):
     assert back["a"].dtype == np.float32 and back["a"].tolist() == [0.0, 1.0, 2.0]
     assert type(back["b"][0]) is np.int16 and back["b"][0] == 7 and type(back["b"][1]) is np.bool_
     assert back["c"] == 2.5
-
-
-def test_state_added_to_the_files_own_wrappers_is_named_at_a_resume(workdir, capsys):
-    """A fork that counts in EpisodicLife itself (a plain number, not *_state): the resume says
-    in one line that EpisodicLife.fork_steps starts afresh; the lives EpisodicLife keeps of
-    record (one game's) are not named."""
-    line = "        self.lives = lives\n"
-    need_text(line, "EpisodicLife's line `self.lives = lives`, after which the test counts")
-    source = open(SCRIPT).read().replace(
-        line, line + "        self.fork_steps = getattr(self, 'fork_steps', 0) + 1\n")
-    (workdir / "own.py").write_text(source)
-    M = load(workdir / "own.py")
-    args = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
-                total_timesteps=128, run_name="own", env_backend="sync")
-    M.main(M.Args(**args, stop_at_step=64))
-    capsys.readouterr()
-    M.main(M.Args(**args))
-    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
-    assert len(notes) == 1 and "EpisodicLife.fork_steps" in notes[0], notes
-    assert "lives" not in notes[0], notes
