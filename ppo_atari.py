@@ -616,8 +616,9 @@ def train(args: Args, ckpt: dict | None, device: torch.device, run, rank: int = 
         next_obs, games, global_step = rollout(policy, envs, next_obs, storage, staging, autocast,
                                                global_step, args.num_envs * world_size,
                                                run.stops if world_size == 1 else ())
-        if next_obs is None:  # given up by a stop signal (one process)
+        if next_obs is None:  # given up by a stop signal (one process, so rank 0)
             set_rng_state(rng, device)
+            writer.flush()  # the logs reach as far as the checkpoint
             save_checkpoint(run, agent, optimizer, env_state, args, global_step, iteration - 1,
                             recent, carry_before)
             stopped, at_stop = True, False
