@@ -1416,7 +1416,8 @@ def wrapper_statistics(envs, world_size: int = 1, carry=None, gather=True) -> di
     states, vector = env_layer_states(envs), layer_state(envs)
     refused = [(f"env {i}'s wrapper state {key}", kind) for i, env in enumerate(states)
                for key, kind in env["refused"].items()]
-    refused += [(f"the vector wrapper state {key}", kind) for key, kind in vector["refused"].items()]
+    refused += [(f"the vector wrapper state {key}", kind)
+                for key, kind in vector["refused"].items()]
     refused += [(f"carry[{k!r}]", type(v).__name__) for k, v in (carry or {}).items()
                 if not checkpointable(v)]
     for what, kind in refused[:1]:
