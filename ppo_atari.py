@@ -18,8 +18,8 @@ import dataclasses
 import datetime
 import errno
 import fcntl
-import gc
 import functools
+import gc
 import glob
 import hashlib
 import importlib.util
