@@ -427,6 +427,7 @@ def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_ste
     after the last step, the finished games [(global_step, score, length)] and global_step;
     once `stop` holds a stop signal, (None, [], the global_step it started at): given up."""
     games, start = [], global_step
+    overlap = isinstance(envs, gym.vector.AsyncVectorEnv)  # (a vector wrapper: its own step)
     for step in range(storage["obs"].shape[0]):
         if stop:  # checked between env steps, never inside one: train checkpoints what it had
             return None, [], start
@@ -436,7 +437,6 @@ def rollout(policy, envs, next_obs, storage: dict, staging, autocast, global_ste
             action, logprob, _, value = policy(next_obs)
         # sync point, the only one per step: the envs need the actions on the host
         actions_np = action.cpu().numpy()
-        overlap = isinstance(envs, gym.vector.AsyncVectorEnv)  # (a vector wrapper: its step)
         if overlap:  # async: the workers step while storage is written
             envs.step_async(actions_np)
         storage["actions"][step], storage["logprobs"][step] = action, logprob
