@@ -1,4 +1,5 @@
-"""Shared helpers: the script under test, its seams, launches of it, TensorBoard read-back.
+"""Shared helpers: the script under test, its seams, launches of it (TensorBoard read-back is
+tests/tools/events.py's, the reader the tools use).
 
 The suite runs against any copy of the file: `python -m pytest tests --script PATH/ppo_atari.py`
 (default: the repository's ppo_atari.py). Tests import it as `ppo_atari` and take sizes and
@@ -28,6 +29,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "ppo_atari.py")  # replaced by --script in pytest_configure
 IMPORTABLE = ROOT  # the folder `import ppo_atari` finds the copy in (pytest_configure)
+sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+from events import scalars  # noqa: E402, F401  (the tools' reader; tests import it from here)
 
 # A tiny but complete configuration: 2 envs x 32 steps, 2 minibatches, 2 epochs, on the CPU,
 # one torch thread (see one_torch_thread)
@@ -78,8 +81,8 @@ def pytest_configure(config):
 
 # the files that take longest, first: two workers given whole files (--dist loadfile) then end
 # together, the short files filling in at the end
-LONGEST_FIRST = ["test_preemption.py", "test_checkpoint.py", "test_distributed.py",
-                 "test_train.py", "test_backends.py"]
+LONGEST_FIRST = ["test_stops.py", "test_crashes.py", "test_distributed.py",
+                 "test_checkpoint.py", "test_train.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -639,26 +642,6 @@ def run_dirs(cwd):
     return sorted(glob.glob(os.path.join(cwd, "runs", "*")))
 
 
-def scalars(run_dir, raw=False):
-    """{tag: [(step, value), ...]} from the run folder's event files. raw=True reads every event
-    as written (so a step logged twice shows twice); otherwise TensorBoard's own view."""
-    from tensorboard.backend.event_processing import event_accumulator, event_file_loader
-    from tensorboard.util import tensor_util
-
-    if not raw:
-        acc = event_accumulator.EventAccumulator(run_dir, size_guidance={"scalars": 0})
-        acc.Reload()
-        return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-    out = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
-        for event in event_file_loader.EventFileLoader(path).Load():
-            for v in event.summary.value:
-                if v.metadata.plugin_data.plugin_name == "scalars":
-                    value = float(tensor_util.make_ndarray(v.tensor).item())
-                    out.setdefault(v.tag, []).append((event.step, value))
-    return out
-
-
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """The suite's two workers share two cores: a training in this process uses one torch thread
@@ -680,3 +663,132 @@ def one_torch_thread():
 def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+# ---- runs killed or stopped at an instant (test_stops.py, test_crashes.py) ----
+
+ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
+
+
+def tiny_args(**kw):
+    import ppo_atari as P
+    return P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=2, cuda=False, **kw)
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """A test that calls main() in this process leaves SIGINT and SIGTERM as it found them."""
+    saved = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    yield
+    for s, h in zip((signal.SIGINT, signal.SIGTERM), saved):
+        signal.signal(s, h)
+
+
+def listing(folder):
+    return {f: os.path.getmtime(os.path.join(folder, f)) for f in sorted(os.listdir(folder))}
+
+
+# Runs the file under test (PPO_ATARI_SCRIPT) and kills itself at one exact instant, named by
+# KILL_AT = "rename:FILE:N": the N-th write of FILE, its temporary file half written and not yet
+# renamed; "call:NAME:N": the moment the N-th call of the file's NAME has returned. SIGNAL names
+# the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
+# Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped;
+# THEN_RAISE=1 makes that call raise a RuntimeError once the file has recorded the signal (in
+# the list catch_stop_signals was given), or after 10 s without.
+KILLER = """
+import importlib.util, os, signal, sys, time
+import gymnasium as gym
+import tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+where, name, nth = os.environ["KILL_AT"].split(":")
+sig, seen, stops = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), [], []
+if hasattr(P, "catch_stop_signals"):  # keep the list a signal is recorded in
+    real_catch = P.catch_stop_signals
+    def catch(stop, *a, **kw):
+        stops.append(stop)
+        return real_catch(stop, *a, **kw)
+    P.catch_stop_signals = catch
+
+class Finalizer:
+    def __del__(self):
+        os.kill(os.getpid(), sig)
+        sum(range(10 ** 5))  # Python runs the handler here, inside __del__
+
+def hit():
+    seen.append(1)
+    if len(seen) == int(nth):
+        Finalizer() if os.environ.get("SWALLOW") else os.kill(os.getpid(), sig)
+
+if where == "group":  # the whole process group, the moment the async workers start
+    real_check = gym.vector.AsyncVectorEnv._check_spaces
+    def check_spaces(self):
+        os.killpg(os.getpgid(0), sig)
+        return real_check(self)
+    gym.vector.AsyncVectorEnv._check_spaces = check_spaces
+elif where == "rename":
+    real_replace = os.replace
+    def replace(src, dst, *a, **kw):
+        if os.path.basename(dst) == name and len(seen) + 1 == int(nth):
+            os.truncate(src, os.path.getsize(src) // 2)
+            hit()
+        elif os.path.basename(dst) == name:
+            seen.append(1)
+        return real_replace(src, dst, *a, **kw)
+    os.replace = replace
+else:
+    real = getattr(P, name)
+    def call(*a, **kw):
+        out = real(*a, **kw)
+        hit()
+        if os.environ.get("THEN_RAISE") and len(seen) == int(nth):
+            deadline = time.time() + 10
+            while not (stops and stops[0]) and time.time() < deadline:
+                time.sleep(0.01)
+            if not (stops and stops[0]):
+                raise RuntimeError("the signal was never recorded")
+            raise RuntimeError("a bug after the signal was recorded")
+        return out
+    setattr(P, name, call)
+if __name__ == "__main__":  # async env workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+TOTAL = 4 * ITER
+
+
+JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--run-name", "job"]
+
+
+def killer(cwd, kill_at, args=JOB, **env):
+    """The harness in cwd, started in a session of its own (so a group signal stays in it)."""
+    (cwd / "killer.py").write_text(KILLER)
+    return launch(args, cwd, script=cwd / "killer.py", env=dict(KILL_AT=kill_at, **env),
+                  new_session=True)
+
+
+def killed_at(cwd, kill_at, args=JOB, **env):
+    proc = killer(cwd, kill_at, args, **env)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(kill_at, proc.returncode, out, err)
+
+
+def assert_finished(run):
+    import ppo_atari as P
+    assert P.load_checkpoint(run)["global_step"] == TOTAL
+    agent = P.load_checkpoint(os.path.join(run, "agent.pt"))
+    assert agent["finished"] is True and agent["global_step"] == TOTAL
+    steps = [s for s, _ in scalars(run)["losses/value_loss"]]  # TensorBoard's view
+    assert steps == list(range(ITER, TOTAL + 1, ITER)), f"iterations logged at {steps}"
+
+
+@pytest.fixture(scope="session")
+def agent_file(tmp_path_factory):
+    """A finished tiny run's folder and its agent.pt, shared by the tests that only read it."""
+    cwd = tmp_path_factory.mktemp("scored")
+    out = run_script([*TINY, "--total-timesteps", "64", "--run-name", "r"], cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return cwd, os.path.join("runs", "r", "agent.pt")

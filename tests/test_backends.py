@@ -1,11 +1,8 @@
 """The environment: the in-file wrappers, in this process (sync) or a process per env (async)
-with the same numbers; async workers serve the trainer through signals and die with it."""
+with the same numbers; async workers come from a fork server, never wait on a crashed trainer."""
 import gc
 import importlib.util
 import os
-import re
-import signal
-import time
 import weakref
 
 import numpy as np
@@ -13,8 +10,7 @@ import pytest
 import torch
 
 import ppo_atari as P
-import conftest
-from conftest import SCRIPT, TINY, launch, left_in_session, need, need_text, run_dirs, scalars
+from conftest import SCRIPT, TINY, launch, need, need_text, run_dirs, scalars
 
 
 def test_sync_and_async_step_identically():
@@ -49,7 +45,7 @@ def test_async_workers_are_forked_from_a_server_that_loaded_torch_not_from_the_t
     """Each async env worker is forked from one server process that had imported torch (a
     worker starts without importing it and shares those pages), never from the trainer, whose
     CUDA state a fork would copy. What it cannot show: the time and memory this saves
-    (`python tests/benchmark.py --worker-memory` prints them)."""
+    (`python tests/dev/benchmark.py --worker-memory` prints them)."""
     need("vector env")
     envs = P.make_envs(P.Args(num_envs=2, env_backend="async"), seed=5)
     try:
@@ -147,24 +143,6 @@ def test_an_edited_wrapper_changes_what_a_default_run_does(tmp_path, monkeypatch
                                 total_timesteps=64, cuda=False, threads=1))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_async_workers_survive_a_stop_signal_to_the_process_group(tmp_path, signum):
-    """SLURM sends SIGTERM to every process, an ssh drop SIGHUP to the process group: the
-    workers (and the resource tracker and the server they fork from) must keep serving the
-    trainer until it has finished its iteration and written the checkpoint; exit 128 + n, no
-    traceback, no process left."""
-    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async"], tmp_path,
-                  new_session=True)
-    proc.line_starting("step ")
-    os.killpg(proc.pid, signum)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum and f"by {signum.name}; checkpoint written" in out, \
-        err[-2000:]
-    assert "Traceback" not in err and not left_in_session(proc.pid), err[-2000:]
-    (run,) = run_dirs(tmp_path)
-    assert P.load_checkpoint(run)["global_step"] >= 64
-
-
 CRASHER = """
 import importlib.util, os, sys
 import gymnasium as gym, tyro
@@ -180,48 +158,6 @@ if __name__ == "__main__":  # env workers import this file as their main module
 """
 
 
-SIGNAL_IN_STEP = """
-import importlib.util, os, signal, sys
-import gymnasium as gym, tyro
-spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
-P = importlib.util.module_from_spec(spec)
-sys.modules["ppo_atari"] = P
-spec.loader.exec_module(P)
-class Pipe:  # env 1's pipe: its 140th answer (iteration 2's 7th step) comes with a SIGTERM
-    def __init__(self, pipe):
-        self.pipe, self.answers = pipe, 0
-    def __getattr__(self, name):
-        return getattr(self.pipe, name)
-    def recv(self):
-        self.answers += 1
-        if self.answers == 140:  # (after env 0's answer: the step's answers half read)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return self.pipe.recv()
-real_init = gym.vector.AsyncVectorEnv.__init__
-def init(self, *a, **kw):
-    real_init(self, *a, **kw)
-    self.parent_pipes[1] = Pipe(self.parent_pipes[1])
-gym.vector.AsyncVectorEnv.__init__ = init
-if __name__ == "__main__":  # env workers import this file as their main module
-    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
-"""
-
-
-def test_a_stop_inside_an_async_step_waits_for_the_step_then_gives_the_rollout_up(tmp_path):
-    """A SIGTERM while the trainer reads the workers' answers to a step: given up there, the
-    answers would be left half read and closing the envs would wait forever; the rollout is
-    given up once the step is read: exit 143, iteration 1's checkpoint, no process left."""
-    need("main")
-    (tmp_path / "signaller.py").write_text(SIGNAL_IN_STEP)
-    proc = launch([*TINY, "--num-steps", "128", "--total-timesteps", "100000", "--env-backend",
-                   "async", "--run-name", "r"], tmp_path, script=tmp_path / "signaller.py",
-                  new_session=True)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and "by SIGTERM; checkpoint written" in out, err[-2000:]
-    assert P.load_checkpoint(str(tmp_path / "runs" / "r"))["global_step"] == 256
-    assert not left_in_session(proc.pid), "processes of the run outlived it"
-
-
 def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
     """The workers ignore SIGTERM (they outlive it for the trainer's checkpoint); a trainer that
     crashes while they serve it must still exit at once instead of waiting out their 60 s."""
@@ -231,159 +167,3 @@ def test_a_crashing_trainer_does_not_wait_for_its_async_workers(tmp_path):
                   script=tmp_path / "crasher.py", env={"CRASH_IN": "step_wait"})
     _, err = proc.communicate(timeout=50)  # about 70 s when it waits for the workers
     assert proc.returncode == 1 and "bug in a fork" in err, err[-2000:]
-
-
-def test_a_ctrl_c_while_async_workers_start_does_not_hang_the_exit(tmp_path):
-    """A script of one's own that makes the async envs itself (Python's own Ctrl-C: a
-    KeyboardInterrupt) and gets a Ctrl-C while the workers start: the signal waits, blocked,
-    until the vector env exists, then interrupts. The exit must not hang: the hook that kills
-    the workers is in place before they start (multiprocessing's own would SIGTERM them, which
-    they ignore, and wait for them forever)."""
-    need("vector env")
-    (tmp_path / "starter.py").write_text(
-        "import os, signal, gymnasium as gym, ppo_atari as P\n"
-        "real = gym.vector.AsyncVectorEnv._check_spaces\n"
-        "def check_spaces(self):  # a Ctrl-C to the group while the workers start\n"
-        "    os.killpg(os.getpgid(0), signal.SIGINT)\n"
-        "    return real(self)\n"
-        "gym.vector.AsyncVectorEnv._check_spaces = check_spaces\n"
-        "if __name__ == '__main__':  # env workers import this file as their main module\n"
-        "    P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n")
-    proc = launch([], tmp_path, script=tmp_path / "starter.py", new_session=True,
-                  env={"PYTHONPATH": conftest.IMPORTABLE})
-    _, err = proc.communicate(timeout=60)  # forever when the workers outlive the exit hook
-    assert proc.returncode != 0 and "KeyboardInterrupt" in err, (proc.returncode, err[-2000:])
-
-
-def signal_masks(pid):
-    """(ignored, caught) signal numbers of a process, from /proc."""
-    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines()
-                  if ":\t" in line)
-    mask = lambda hexmask: {s for s in range(1, 32) if int(hexmask, 16) >> (s - 1) & 1}  # noqa
-    return mask(status["SigIgn"]), mask(status["SigCgt"])
-
-
-def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp_path):
-    """A worker ignores SIGINT and SIGTERM outright (no alarm that would kill it during a long
-    iteration and checkpoint), and exits when its trainer is killed."""
-    need("vector env")
-    (tmp_path / "trainer.py").write_text(
-        "import time, ppo_atari as P\n"
-        "if __name__ == '__main__':  # env workers import this file as their main module\n"
-        "    envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
-        "    envs.reset(seed=0)\n"
-        "    print('workers:', *(p.pid for p in envs.processes), flush=True)\n"
-        "    time.sleep(600)\n")
-    trainer = launch([], tmp_path, script=tmp_path / "trainer.py",
-                     env={"PYTHONPATH": conftest.IMPORTABLE})
-    line = trainer.line_starting("workers: ")
-    assert line is not None, (trainer.kill(), trainer.communicate()[1][-2000:])
-    pids = [int(p) for p in line.split()[1:]]
-    assert len(pids) == 2
-    for pid in pids:
-        ignored, caught = signal_masks(pid)
-        assert {signal.SIGINT, signal.SIGTERM} <= ignored, "a worker must ignore both"
-        assert signal.SIGALRM not in caught and signal.SIGTERM not in caught
-    assert signal.SIGINT not in signal_masks(trainer.pid)[0], "the trainer must not ignore it"
-    trainer.kill()  # SIGKILL: no atexit, no cleanup; the workers' pipes close
-    trainer.wait()
-    deadline = time.time() + 30
-    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and
-                                         "Z" not in open(f"/proc/{p}/stat").read().split()[2]
-                                         for p in pids):
-        time.sleep(0.2)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
-             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    assert not alive, "workers outlived their trainer"
-    time.sleep(2)  # the resource tracker's turn, once every holder of its pipe is gone
-    err = trainer.communicate()[1]  # the workers and the tracker write to the trainer's stderr
-    assert "Traceback" not in err and "leaked" not in err, err[-3000:]
-
-
-STUCK = """
-import importlib.util, os, sys, time
-import gymnasium as gym
-import tyro
-spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
-P = importlib.util.module_from_spec(spec)
-sys.modules["ppo_atari"] = P
-spec.loader.exec_module(P)
-
-class Stuck(gym.Wrapper):  # once STUCK_FLAG exists, a step takes two minutes
-    def step(self, action):
-        if os.path.exists(os.environ["STUCK_FLAG"]):
-            time.sleep(120)
-        return self.env.step(action)
-
-real_make_env = P.make_env
-P.make_env = lambda *a, **kw: (lambda thunk: lambda: Stuck(thunk()))(real_make_env(*a, **kw))
-if __name__ == "__main__":  # async env workers import this file as their main module
-    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
-"""
-
-
-def test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step(tmp_path):
-    """The second Ctrl-C ends the run at once, workers included: a worker in the middle of a
-    step that takes two minutes (a hung emulator, a slow fork's env) is killed with the trainer
-    instead of finishing its step first (it would find the trainer gone only then)."""
-    need("main")
-    (tmp_path / "stuck.py").write_text(STUCK)
-    flag = tmp_path / "stuck-now"
-    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
-                   "--run-name", "stuck"], tmp_path, script=tmp_path / "stuck.py",
-                  env={"STUCK_FLAG": str(flag)}, new_session=True)
-    try:
-        assert proc.line_starting("step ") is not None, proc.communicate()[1][-2000:]
-        flag.write_text("")  # the workers' next step hangs, and the trainer waits for it
-        time.sleep(1.0)
-        for _ in range(2):
-            proc.send_signal(signal.SIGINT)
-            time.sleep(0.3)
-        proc.wait(timeout=30)
-        left = left_in_session(proc.pid, within=10)
-        assert proc.returncode == 130, (proc.returncode, open(proc.err).read()[-2000:])
-        assert not left, f"{len(left)} process(es) of the run still alive 10 s after it exited " \
-            f"(its workers, still in their step)"
-    finally:
-        for pid in left_in_session(proc.pid, within=0):
-            os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.parametrize("when", ["training", "workers starting"])
-def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_path, when):
-    """Two Ctrl-Cs to the process group (a terminal's), async workers, during an update: the
-    first is answered at once (the stop waits for the update: about how long; a second Ctrl-C
-    quits), the second exits 130 with the line that says so, no worker traceback, no
-    leaked-resource warning, every process of the run gone. While the workers start (their
-    signals blocked), the second still exits before any iteration."""
-    # updates of seconds (100 epochs): the second Ctrl-C comes while the first's stop waits for
-    # the update's end, not after the run has ended (its last teardown, where Python has given
-    # the signals back to the system's default, would end it by SIGINT: -2)
-    proc = launch([*TINY, "--update-epochs", "100", "--num-minibatches", "1", "--total-timesteps",
-                   "100000", "--env-backend", "async", "--run-name", "twice"], tmp_path,
-                  new_session=True)
-    assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
-        proc.communicate()[1][-2000:]
-    time.sleep(0.5 if when == "training" else 0)  # iteration 2's rollout (64 steps) is done
-    deadline = time.time() + 30  # starting: once the fork server, the 2 workers and the tracker
-    while when != "training" and len(left_in_session(proc.pid, 0)) < 5 and \
-            time.time() < deadline:  # exist, while the workers start and the mask is on
-        time.sleep(0.02)
-    for _ in range(2):
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.3)
-    out, _ = proc.communicate(timeout=30)
-    assert not left_in_session(proc.pid), "processes of the run outlived it"
-    err = open(proc.err).read()  # the workers' and the tracker's stderr too, now all are gone
-    assert proc.returncode == 130, (proc.returncode, err[-3000:])
-    first, *rest = err.strip().splitlines()  # the first Ctrl-C's answer, then the second's
-    assert rest == ["", "second Ctrl-C: exiting now without a checkpoint"], err[-3000:]
-    timed = r"within about \d+ s, an iteration's time" if when == "training" else \
-        r"the first, not timed yet"
-    assert re.fullmatch(r"Ctrl-C: stopping: the rollout in progress is given up and the last "
-                        r"whole iteration checkpointed, or the update in progress ends \(" +
-                        timed + r"\) and its iteration is checkpointed; a second Ctrl-C quits "
-                        r"at once without a checkpoint( \(the last holds step 0\))?", first), first
-    if when == "workers starting":
-        assert "step " not in out, "an iteration ran between the two Ctrl-Cs"
-

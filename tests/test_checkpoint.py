@@ -1,12 +1,13 @@
-"""Checkpoints: round trip, atomic writes, exact resume, Ctrl-C, safe loading, evaluation."""
+"""Checkpoints: round trip, atomic writes, exact resume (weights, Adam, RNG, the last 100
+games, wrapper statistics, a fork's carry), safe loading, videos across resumes."""
 import copy
 import glob
 import importlib.util
 import inspect
 import os
+import pickle
 import re
 import shutil
-import pickle
 import signal
 import sys
 
@@ -17,21 +18,10 @@ import torch
 
 import ppo_atari as P
 from conftest import (SCRIPT, TINY, Truncating, bound, need, need_text, obs_shape, run_dirs,
-                      run_in_process, scalars, takes, truncating_envs)
+                      run_in_process, run_script, scalars, takes, tiny_args, truncating_envs)
+
 
 OBS = obs_shape()
-
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    saved = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-    yield
-    for s, h in zip((signal.SIGINT, signal.SIGTERM), saved):
-        signal.signal(s, h)
-
-
-def tiny_args(**kw):
-    return P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=2, cuda=False, **kw)
 
 
 def test_round_trip_restores_tensors_counters_and_rng(tmp_path):
@@ -372,131 +362,6 @@ def test_malicious_pickle_never_runs(workdir):
     assert out.returncode == 2 and "it holds a pickled posix.system" in out.stderr, out.stderr
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One tiny finished run, shared by the checks below."""
-    cwd = tmp_path_factory.mktemp("trained")
-    out = run_in_process([*TINY, "--total-timesteps", "128"], cwd=cwd)
-    assert out.returncode == 0, out.stderr
-    return cwd, run_dirs(cwd)[0]
-
-
-def test_corrupt_other_game_and_other_action_set_are_refused(trained, tmp_path):
-    need("Agent heads")
-    cwd, run = trained
-    data = open(os.path.join(run, "checkpoint.pt"), "rb").read()
-    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
-    state = P.load_checkpoint(run)
-    weight = state["model"]["actor.weight"]
-    state["model"]["actor.weight"] = torch.zeros(6, weight.shape[1])
-    state["model"]["actor.bias"] = torch.zeros(6)
-    torch.save(state, tmp_path / "six_actions.pt")
-    shape = f"actor.weight is (6, {weight.shape[1]}) in the checkpoint (BreakoutNoFrameskip-v4) " \
-            f"and (4, {weight.shape[1]}) here"
-    cases = [(["--resume", "truncated.pt"], "cannot load truncated.pt as a safe checkpoint"),
-             (["--eval-checkpoint", "six_actions.pt"], shape),
-             (["--resume", "six_actions.pt", "--total-timesteps", "256"], shape),
-             (["--resume", os.path.join(run, "agent.pt")], "is a saved agent, not a checkpoint"),
-             (["--eval-checkpoint", run, "--env-id", "PongNoFrameskip-v4"],
-              "was trained on BreakoutNoFrameskip-v4, not PongNoFrameskip-v4")]
-    for args, message in cases:
-        out = run_in_process([*args, "--no-cuda"], tmp_path)
-        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
-    assert sorted(os.listdir(tmp_path)) == ["six_actions.pt", "truncated.pt"]
-
-
-def test_another_network_is_one_line_naming_both_shapes(trained, tmp_path):
-    """A checkpoint of another network (a fork's, or the file's before a fork changed a layer)
-    meets this one: one line naming the tensor and both shapes, no traceback."""
-    cwd, run = trained
-    state = P.load_checkpoint(run)
-    name, tensor = next(iter(state["model"].items()))  # the network's first tensor, whatever it is
-    state["model"][name] = torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:])
-    torch.save(state, tmp_path / "other_network.pt")
-    for flags in (["--resume", "other_network.pt", "--total-timesteps", "256"],
-                  ["--eval-checkpoint", "other_network.pt"]):
-        out = run_in_process([*flags, "--no-cuda"], tmp_path)
-        assert out.returncode == 2, out.stderr[-2000:]
-        (message,) = out.stderr.splitlines()
-        theirs, mine = (tensor.shape[0] + 1, *tensor.shape[1:]), tuple(tensor.shape)
-        assert f"does not fit this network: {name} is {theirs} in the checkpoint" in message
-        assert f"and {mine} here" in message
-
-
-def test_evaluation_plays_full_games_and_logs_them(trained):
-    cwd, run = trained
-    command = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "2",
-               "--no-cuda", "--capture-video"]
-    out = run_in_process(command, cwd=cwd)
-    assert out.returncode == 0, out.stderr
-    games = [line for line in out.stdout.splitlines() if line.startswith("game ")]
-    assert len(games) == 2
-    assert "BreakoutNoFrameskip-v4: " in out.stdout and " ± " in out.stdout
-    assert "over 2 games (agent at step 128)" in out.stdout
-    assert "device: cpu (--no-cuda)" in out.stdout and "training" not in out.stdout
-    assert "evaluation events: " in out.stdout and "; videos: " in out.stdout
-    (folder,) = os.listdir(os.path.join(run, "eval"))  # each evaluation: a TensorBoard run
-    assert folder.startswith("step128-seed1-")
-    logged = scalars(os.path.join(run, "eval", folder))
-    assert [s for s, _ in logged["eval/episodic_return"]] == [1, 2]
-    scores = [float(line.split("score ")[1].split(",")[0]) for line in games]
-    assert [v for _, v in logged["eval/episodic_return"]] == scores
-    assert logged["eval/mean_episodic_return"] == [(128, sum(scores) / 2)]
-    # full games only: the game the autoreset began after the last one leaves no video
-    videos = sorted(os.listdir(os.path.join(run, "eval-videos", folder)))  # its own folder
-    assert videos == ["game-0.mp4", "game-1.mp4"]
-    assert os.path.getsize(os.path.join(run, "eval-videos", folder, "game-0.mp4")) > 1000
-    # seeded: the same command plays the same games, and logs them apart
-    again = run_in_process(command[:4] + ["--no-cuda"], cwd=cwd)
-    assert [ln for ln in again.stdout.splitlines() if ln.startswith("game ")] == games
-    assert len(os.listdir(os.path.join(run, "eval"))) == 2
-
-
-def test_evaluation_chooses_its_actions_through_act(trained, monkeypatch):
-    """evaluate() plays the policy through the core's act(agent, obs, memory), so a recurrent
-    fork edits act above the fence: memory["starts"] is all ones at the first step, then 1.0
-    exactly where the previous step ended an episode (a lost life included)."""
-    need(what="act(agent, obs, memory), which evaluation calls", problem=None if hasattr(
-        P, "act") else "this copy has none")
-    cwd, run = trained
-    starts, real = [], P.act
-
-    def act(agent, obs, memory):
-        starts.append(memory["starts"].clone())
-        return real(agent, obs, memory)
-
-    monkeypatch.setattr(P, "act", act)
-    out = run_in_process(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes",
-                          "1", "--no-cuda"], cwd=cwd)
-    assert out.returncode == 0, out.stderr
-    assert starts and torch.equal(starts[0], torch.ones(1)), starts[:1]
-    later = sum(float(s) for s in starts[1:])
-    assert later >= 4, f"Breakout's 5 lives: 4 or more episode starts after the first; {later}"
-
-
-def test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions(trained):
-    """ALE/Breakout-v5 plays a BreakoutNoFrameskip-v4 agent with sticky actions 0.25 (Machado et
-    al. 2018's protocol) and the same 4-frame skip, and its evaluation is logged apart."""
-    need("env thunk")
-    cwd, run = trained
-    env = P.make_env("ALE/Breakout-v5", 1)()
-    env.reset(seed=1)
-    ale = env.unwrapped.ale
-    frames = ale.getEpisodeFrameNumber()
-    env.step(0)
-    assert ale.getFloat("repeat_action_probability") == 0.25
-    assert ale.getEpisodeFrameNumber() - frames == 4, "v5's own frame skip must be off"
-    env.close()
-    out = run_in_process(["--eval-checkpoint", os.path.join(run, "agent.pt"), "--env-id",
-                          "ALE/Breakout-v5", "--eval-episodes", "1", "--no-cuda"], cwd=cwd)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "ALE/Breakout-v5: " in out.stdout and "over 1 game (agent at step 128)" in out.stdout
-    (folder,) = [f for f in os.listdir(os.path.join(run, "eval")) if "v5" in f]
-    assert folder.startswith("ALE-Breakout-v5-step128-seed1-")
-    logged = scalars(os.path.join(run, "eval", folder))
-    assert [s for s, _ in logged["eval/episodic_return"]] == [1]
-
-
 def test_main_from_python_honours_a_changed_total_on_resume(workdir):
     """main(Args(resume=R, total_timesteps=N)) without an explicit set: fields that differ from
     their defaults count as given, as they would on the command line."""
@@ -504,38 +369,6 @@ def test_main_from_python_honours_a_changed_total_on_resume(workdir):
     (run,) = run_dirs(workdir)
     P.main(tiny_args(resume=run, total_timesteps=192))
     assert P.load_checkpoint(run)["global_step"] == 192
-
-
-def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir, capsys):
-    """--stop-at-step: a run planned for 4 iterations and stopped after 2 has trained with the
-    learning rates of the full plan's first 2; the same command without it finishes the plan."""
-    (workdir / "full").mkdir()
-    (workdir / "cut").mkdir()
-    os.chdir(workdir / "full")
-    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
-    full = scalars(str(workdir / "full" / "runs" / "r"))
-    os.chdir(workdir / "cut")
-    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))  # mid-iteration 2
-    run = str(workdir / "cut" / "runs" / "r")
-    ckpt = P.load_checkpoint(run)
-    assert ckpt["global_step"] == 128 and ckpt["args"]["total_timesteps"] == 4 * 64
-    assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False
-    assert "stopped at step 128 of 256 by --stop-at-step; checkpoint written; continue with: " \
-        in capsys.readouterr().out
-    cut = scalars(run)
-    assert cut["charts/learning_rate"] == full["charts/learning_rate"][:2]
-    assert cut["losses/value_loss"] == full["losses/value_loss"][:2]  # the same training
-    # the same command again: already past the stop, nothing written
-    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))
-    assert "already past --stop-at-step 100; nothing written" in capsys.readouterr().out
-    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=128))  # exactly there
-    assert "has run 128 steps, already at --stop-at-step 128; nothing written" in \
-        capsys.readouterr().out
-    assert P.load_checkpoint(run)["global_step"] == 128
-    # without it: on to the full plan, along the same schedule
-    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
-    assert P.load_checkpoint(run)["global_step"] == 256
-    assert scalars(run)["charts/learning_rate"] == full["charts/learning_rate"]
 
 
 def test_agent_pt_is_the_latest_weights_written_atomically_before_each_checkpoint(
@@ -682,7 +515,7 @@ def test_a_compiled_bf16_cpu_run_saves_plain_weights_and_never_initializes_cuda(
     hides it, its answer kept from the first question as a real device count is; initializing
     CUDA fails as torch's does where the variable hides the GPUs, and records who asked where
     it does not. What it cannot show: a real driver (test_cuda.py's --compile case
-    runs on a GPU); a process whose torch counted the GPUs before main() (test_entry_points: the
+    runs on a GPU); a process whose torch counted the GPUs before main() (test_devices.py: the
     run says it cannot hide them)."""
     need("main")
     asked, counted = [], []
@@ -915,3 +748,105 @@ def test_a_resume_reports_the_learning_rate_the_forks_schedule_gives(workdir, ca
     said = capsys.readouterr().out.split("; learning rate ", 1)[1].split(" now")[0]
     logged = dict(scalars("runs/warm")["charts/learning_rate"])[192]
     assert said == f"{logged:.3g}", f"the resume said {said}; its next iteration used {logged}"
+
+
+# one key per kind a fork may keep; each must come back as it was (numpy as numpy, same dtype)
+KINDS = {
+    "numpy float64": np.float64(0.1), "numpy float32": np.float32(0.25),
+    "numpy int64": np.int64(-7), "numpy bool_": np.bool_(True), "numpy str_": np.str_("s"),
+    "float64 array": np.linspace(0, 1, 3), "float32 array": np.ones((2, 2), np.float32),
+    "int64 array": np.arange(3), "bool array": np.array([True, False]),
+    "int": 3, "float": 0.5, "bool": False, "str": "text", "None": None,
+    "tensor": torch.arange(3.0), "list": [1, np.float32(2.5)], "tuple": (np.int64(1), "a"),
+    "dict": {"a": np.zeros(2, np.float32), 1: [None, torch.ones(1)]},
+}
+
+
+def alike(a, b) -> bool:
+    """a and b alike in type (numpy dtypes too) and value, all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(alike(a[k], b[k]) for k in a)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return a.dtype == b.dtype and np.shape(a) == np.shape(b) and np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def with_carry(monkeypatch, when):
+    """make_batch patched: when(carry, calls) runs before each call (calls: the count so far)."""
+    need("main")
+    real, calls = P.make_batch, []
+    need(what="make_batch(agent, storage, next_obs, autocast, args, carry)", problem=None if
+         "carry" in inspect.signature(real).parameters else "this copy's has no carry")
+
+    def make_batch(*a, **kw):
+        when(bound(real, a, kw)["carry"], len(calls))
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(P, "make_batch", make_batch)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """A run whose make_batch puts every kind in carry at its first iteration, stopped at step
+    64, then the same command: what the resumed run's make_batch finds in carry."""
+    cwd, found = tmp_path_factory.mktemp("kinds"), {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+
+        def keep(carry, calls):  # (beside a fork's own keys: the KL fork starts with one)
+            if calls == 0:
+                carry.update(KINDS)
+            elif not found:
+                found.update(carry)
+        with_carry(mp, keep)
+        args = P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                      total_timesteps=128, run_name="kinds")
+        P.main(P.Args(**{**vars(args), "stop_at_step": 64}))
+        P.main(args)  # the same command, continued
+    return found
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_a_fork_keeps_in_carry_comes_back_as_it_was(kept, kind):
+    """carry's values are saved through to_saved (numpy as tensors a weights-only load takes)
+    and given back by from_saved: numpy as numpy of its dtype, tensors as tensors (moved to the
+    training device: on this CPU, what it cannot show is a CUDA device), the rest as they were."""
+    assert kind in kept, f"carry[{kind!r}] did not come back: {sorted(kept)}"
+    assert alike(KINDS[kind], kept[kind]), f"carry[{kind!r}]: kept {KINDS[kind]!r} " \
+        f"({type(KINDS[kind]).__name__}), got back {kept[kind]!r} ({type(kept[kind]).__name__})"
+
+
+def test_what_carry_cannot_hold_is_refused_at_the_end_of_the_iteration_that_set_it(
+        workdir, monkeypatch, capsys):
+    """A value no checkpoint can hold, set in iteration 2 with checkpoints every 3: the run
+    stops at the end of iteration 2 (not at the checkpoint of iteration 3), in one line that
+    names the key and its type, exit 2; the checkpoint written before stays loadable."""
+    calls = with_carry(monkeypatch, lambda carry, calls: carry.update(
+        {"handle": object()} if calls == 1 else {}))
+    with pytest.raises(SystemExit) as exit_:
+        P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                      total_timesteps=6 * 64, checkpoint_interval=3, run_name="bad"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert "carry['handle'] is a object, which a checkpoint cannot hold" in err[0], err
+    assert len(calls) == 2, f"refused after {len(calls)} iterations, not at the end of the 2nd"
+    assert P.load_checkpoint("runs/bad")["global_step"] == 0
+
+
+def test_a_checkpoint_with_a_pickled_numpy_scalar_is_refused_in_plain_words(workdir):
+    """A file torch.save wrote with a numpy scalar in it (a fork's own save, say): refused in
+    one line that names what it holds, without torch's ANSI codes or its advice."""
+    need("checkpoint")
+    torch.save({"model": {}, "args": {}, "carry": {"x": np.float64(1.0)}}, "numpy.pt")
+    out = run_script(["--resume", "numpy.pt", "--no-cuda"], workdir)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+    assert "cannot load numpy.pt as a safe checkpoint: it holds a pickled numpy" in err[0], err
+    assert "\x1b" not in out.stderr and "Traceback" not in out.stderr

@@ -1,4 +1,4 @@
-"""tests/compare_runs.py: its figures against rliable 1.2.0's on fixed scores, the exact test
+"""tests/tools/compare_runs.py: its figures against rliable 1.2.0's on fixed scores, the exact test
 against permutations counted by hand, the budget, the game and the weights it compares by, real
 run folders (one crashed and resumed) and their CSV exports, and its answers to bad input."""
 import contextlib
@@ -19,9 +19,10 @@ import ppo_atari as P
 from conftest import Truncating, bound, need, run_in_process, scalars, stand_in_envs, TINY
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-FIGURES = os.path.join(TESTS, "figures")
+FIGURES = os.path.join(TESTS, "results", "figures")
+TOOLS = os.path.join(TESTS, "tools")
 SEEDS = [os.path.join(FIGURES, f"breakout-10M-seed{s}.csv") for s in (1, 2, 3)]
-spec = importlib.util.spec_from_file_location("compare_runs", os.path.join(TESTS,
+spec = importlib.util.spec_from_file_location("compare_runs", os.path.join(TOOLS,
                                                                            "compare_runs.py"))
 C = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(C)
@@ -48,7 +49,7 @@ GAMES = ["Alien", "Amidar", "Assault", "Asterix", "Asteroids"]
 
 
 def tool(*args, cwd=TESTS):
-    return subprocess.run([sys.executable, os.path.join(TESTS, "compare_runs.py"), *args],
+    return subprocess.run([sys.executable, os.path.join(TOOLS, "compare_runs.py"), *args],
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
@@ -67,7 +68,7 @@ def tool_here(*args, code=0):
 
 
 def write_run(path, rows, env_id="BreakoutNoFrameskip-v4", plan=10_000_000):
-    """A CSV as tests/plot_curves.py exports it: rows of (step, score)."""
+    """A CSV as tests/tools/plot_curves.py exports it: rows of (step, score)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("step,avg_return_last100,games,training_seconds,env_id,total_timesteps\n")
@@ -358,7 +359,7 @@ def test_the_tool_reads_run_folders_a_crashed_and_resumed_one_and_their_exports(
     at = tool_here("a=runs/a-*", "b=runs/b-*", "--at", "192")
     assert f"  runs/b-4: Truncating {C.fmt(crashed[1])} at step 192" in at, at
     curves = importlib.util.spec_from_file_location("plot_curves", os.path.join(
-        TESTS, "plot_curves.py"))
+        TOOLS, "plot_curves.py"))
     plot_curves = importlib.util.module_from_spec(curves)
     curves.loader.exec_module(plot_curves)
     for run in sorted(glob.glob("runs/*")):  # as --runs runs --export csv does
@@ -426,7 +427,7 @@ def test_plot_draws_the_iqm_over_steps_and_the_performance_profile(tmp_path):
     args = [f"s1={SEEDS[0]}", f"s23={SEEDS[1]},{SEEDS[2]}", "--at", "2000000", "--plot"]
     (tmp_path / "hidden").mkdir()
     (tmp_path / "hidden" / "matplotlib.py").write_text("raise ImportError('hidden')\n")
-    out = subprocess.run([sys.executable, os.path.join(TESTS, "compare_runs.py"), *args,
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "compare_runs.py"), *args,
                           str(tmp_path / "none.png")], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=str(tmp_path / "hidden")))
     assert out.returncode == 2 and "| s23 | 2 | 2 |" in out.stdout, out

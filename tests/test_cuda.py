@@ -1,5 +1,5 @@
 """The CUDA path, run for real: skipped with a reason on a machine without CUDA (CI has none).
-tests/gpu_check.sh runs this file on a machine with a GPU and keeps what it prints."""
+tests/dev/gpu_check.sh runs this file on a machine with a GPU and keeps what it prints."""
 import os
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import ppo_atari as P
 from conftest import SCRIPT, free_port, need, obs_shape, run_dirs, run_script, scalars
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA on this machine (tests/gpu_check.sh runs these "
+                                reason="no CUDA on this machine (tests/dev/gpu_check.sh runs these "
                                        "where there is)")
 
 TWO = ["--total-timesteps", "2048"]  # two iterations of the default 8 envs x 128 steps

@@ -1,6 +1,6 @@
 """Small, fast checks that pin the implementation details of PPO one by one (the "37 details"
 of Huang et al. 2022): the loss's terms and weights, initialization, the optimizer and what the
-training loop feeds them. tests/mutate.py breaks each detail and checks that a test fails."""
+training loop feeds them. tests/dev/mutate.py breaks each detail and checks that a test fails."""
 import copy
 import dataclasses
 import math

@@ -1,6 +1,9 @@
 """What the CPU can check of the CUDA paths: the rollout's host-device traffic, the heads'
-precision under bf16, cudnn's settings, and wandb's arguments for a continued run."""
+precision under bf16, cudnn's settings, wandb's arguments for a continued run, and --no-cuda
+hiding the GPUs before torch counts them."""
 import importlib.machinery
+import importlib.util
+import os
 import sys
 import types
 
@@ -10,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import ppo_atari as P
 from conftest import Truncating, need, obs_shape, run_dirs, stand_in_policy
+
 
 OBS = obs_shape()
 
@@ -92,3 +96,30 @@ def test_a_continued_run_continues_the_same_wandb_run(workdir, monkeypatch):
     assert len(calls) == 2 and run_dirs(workdir) == [str(workdir / "runs" / "tracked")]
     for kw in calls:
         assert kw["id"] == "tracked" and kw["resume"] == "allow" and kw["name"] == "tracked"
+
+
+def test_no_cuda_hides_the_gpus_before_torch_counts_them(monkeypatch, capsys):
+    """--no-cuda sets CUDA_VISIBLE_DEVICES to "" before torch counts the GPUs, for this process
+    and the workers it starts; where torch counted them before main() (a notebook asked), the
+    run says in one line that it cannot hide them. Stand-in: torch's count, kept from its first
+    question as the real one is. What it cannot show: a real GPU (test_cuda.py's --no-cuda run
+    does, where there is one)."""
+    need("main")
+    counted = []
+
+    def is_available():
+        counted.append(counted[0] if counted else os.environ.get("CUDA_VISIBLE_DEVICES") != "")
+        return counted[-1]
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    choose = getattr(P.choose_device, "real", P.choose_device)
+    before = torch.get_num_threads()
+    try:
+        assert choose(P.Args(cuda=False, threads=1), 0, 1, say=False).type == "cpu"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and counted == [False]
+        assert "note: " not in capsys.readouterr().out
+        counted[:] = [True]  # torch counted a GPU before main()
+        assert choose(P.Args(cuda=False, threads=1), 0, 1, say=False).type == "cpu"
+        assert "so --no-cuda cannot hide them" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)

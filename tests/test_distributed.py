@@ -11,6 +11,7 @@ import torch
 import ppo_atari as P
 from conftest import SCRIPT, TINY, free_port, launch, need, obs_shape, run_dirs, scalars
 
+
 # Runs the file under test (PPO_ATARI_SCRIPT) and saves each rank's final weights; FREEZE=1
 # trains an Agent whose first layer (the first module with parameters of its own) is frozen.
 HARNESS = """
@@ -159,7 +160,7 @@ def test_a_rank_that_starts_late_joins_when_init_returns_at_once(tmp_path):
     communicator is created lazily, at the first collective): TORCH_GLOO_LAZY_INIT=1 makes
     gloo's init return at once the same way. Rank 1 starts 3 s after rank 0 and must still
     join and train. What it cannot show: NCCL itself, its communicator on GPUs, or a late rank
-    on another node (tests/test_preemption.py's two-agent restart test covers two nodes)."""
+    on another node (tests/test_crashes.py's two-agent restart test covers two nodes)."""
     (tmp_path / "harness.py").write_text(HARNESS)
     out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", "--dist-timeout", "30",
                    env={"TORCH_GLOO_LAZY_INIT": "1", "LATE_RANK": "1"})
@@ -236,3 +237,37 @@ def test_two_processes_train_in_step_stop_resume_and_evaluate(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("game 1: score") == 1
     assert "over 1 game (agent at step 640)" in out.stdout
+
+
+RESTARTING = """
+import os, sys
+sys.path.insert(0, os.environ["SCRIPT_DIR"])
+import tyro
+import ppo_atari as P
+real = P.save_checkpoint
+def save_checkpoint(*a, **kw):  # the first start dies (a node failure) after its 2nd iteration
+    real(*a, **kw)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and a[6] == 2:
+        os._exit(1)
+P.save_checkpoint = save_checkpoint
+if __name__ == "__main__":
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def test_a_torchrun_restart_without_a_run_name_continues_its_run(tmp_path):
+    """torchrun --max-restarts 1 and no --run-name: the first start names the run in torchrun's
+    store; its worker dies after the 2nd iteration's checkpoint; the restarted worker continues
+    that folder from step 128 instead of starting a second run at step 0."""
+    need("main")
+    (tmp_path / "restarting.py").write_text(RESTARTING)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "--max-restarts", "1", "restarting.py", *TINY, "--total-timesteps", "256",
+         "--checkpoint-interval", "1"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                              SCRIPT_DIR=os.path.dirname(SCRIPT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = run_dirs(tmp_path)
+    assert f"continuing runs/{os.path.basename(run)} at step 128 of 256" in out.stdout, out.stdout
+    assert P.load_checkpoint(run)["global_step"] == 256

@@ -1,4 +1,4 @@
-"""tests/phases.py, the phase table of where an iteration's time goes, at a tiny budget on the
+"""tests/dev/phases.py, the phase table of where an iteration's time goes, at a tiny budget on the
 CPU (its figures are measurements, not checked here; what is checked is that every phase is
 measured for both backends and that the table adds up)."""
 import os
@@ -7,7 +7,7 @@ import sys
 
 from conftest import ROOT, SCRIPT
 
-PHASES = os.path.join(ROOT, "tests", "phases.py")
+PHASES = os.path.join(ROOT, "tests", "dev", "phases.py")
 
 
 def table(*flags) -> dict[str, list[float]]:

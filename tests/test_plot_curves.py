@@ -1,4 +1,4 @@
-"""tests/plot_curves.py, the script behind README's learning-curve tables: the value at a budget
+"""tests/tools/plot_curves.py, the script behind README's learning-curve tables: the value at a budget
 is the last row at or before it, the mean over seeds takes one run per seed."""
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot_curves.py")
+PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "plot_curves.py")
 
 
 def write_curve(path, rows):

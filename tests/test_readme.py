@@ -1,5 +1,5 @@
 """README's commands that run in seconds, run as written: the forking lines, and the commands
-under "What to expect" on the committed files in tests/figures/ (figures only where matplotlib
+under "What to expect" on the committed files in tests/results/figures/ (figures only where matplotlib
 is installed), whose printed figures must be README's."""
 import glob
 import importlib.util
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, is_repository_file
+from conftest import ROOT, is_repository_file, left_in_session
 
 def readme() -> str:
     return open(os.path.join(ROOT, "README.md")).read()
@@ -51,11 +51,11 @@ def test_the_forking_lines_run_as_written(tmp_path):
     assert "--env-id" in out.stdout and (tmp_path / "my-experiment" / "ppo_atari.py").exists()
 
 
-def printed_by_readme(tmp_path, tool="plot_curves.py") -> list[str]:
+def printed_by_readme(tmp_path, tool="tools/plot_curves.py") -> list[str]:
     """What README's commands of the tool print, run as written on the committed files (each
     figure drawn into the test's folder, never the checkout; without matplotlib, no figure)."""
     printed = []
-    for line in [c for c in commands(f"python tests/{tool}") if "tests/figures/" in c]:
+    for line in [c for c in commands(f"python tests/{tool}") if "tests/results/figures/" in c]:
         args = shlex.split(line)[1:]
         if "--out" in args and importlib.util.find_spec("matplotlib") is None:
             args = args[:args.index("--out")] + args[args.index("--out") + 2:]
@@ -83,7 +83,7 @@ def what_to_expect() -> str:
 def test_the_curve_table_comes_from_the_committed_curve_files(tmp_path):
     """Every figure of ours in README's Breakout table (each seed at 0.5M, 1M, 2M and 10M, their
     mean ± std, the 10M agent's scored games) is what README's commands print from
-    tests/figures/."""
+    tests/results/figures/."""
     printed = printed_by_readme(tmp_path)
     (curves,) = [p for p in printed if "| 10M |" in p]  # the table with every budget
     (scores,) = [p for p in printed if "| evaluation |" in p]
@@ -122,7 +122,7 @@ def test_the_iqm_row_is_what_compare_runs_prints_from_the_committed_seeds(tmp_pa
     """README's IQM row: at each budget, `compare_runs.py` on the three seeds' CSV files (its
     raw-score IQM and interval), and the same command's mean ± std is the mean row's."""
     shown = rows(what_to_expect())
-    printed = printed_by_readme(tmp_path, "compare_runs.py")
+    printed = printed_by_readme(tmp_path, "tools/compare_runs.py")
     assert len(printed) == 3, "one compare_runs.py command per budget: 0.5M, 1M, 2M"
     for out, iqm, mean in zip(printed, shown["ours, IQM of 3 seeds [bootstrap interval: min, max]"],
                               shown["ours, mean ± std of 3 seeds"]):
@@ -135,18 +135,18 @@ def test_the_iqm_row_is_what_compare_runs_prints_from_the_committed_seeds(tmp_pa
 
 
 def test_each_figure_is_drawn_by_the_command_under_it_from_files_in_tests_figures():
-    """Each PNG README shows is the --out of one of its commands, and tests/figures/ holds the
+    """Each PNG README shows is the --out of one of its commands, and tests/results/figures/ holds the
     files README uses, no others."""
     text = readme()
-    images = re.findall(r"\]\((tests/figures/[^)]+\.png)\)", text)
+    images = re.findall(r"\]\((tests/results/figures/[^)]+\.png)\)", text)
     outs = [shlex.split(c)[shlex.split(c).index("--out") + 1] for c in
-            commands("python tests/plot_curves.py") if "--out" in c]
+            commands("python tests/tools/plot_curves.py") if "--out" in c]
     assert images and sorted(images) == sorted(outs), (images, outs)
     used = set(images) | {p for c in commands("python tests/") for a in shlex.split(c)
-                          for p in glob.glob(os.path.join(ROOT, a)) if "tests/figures/" in a}
+                          for p in glob.glob(os.path.join(ROOT, a)) if "tests/results/figures/" in a}
     used = {os.path.relpath(os.path.join(ROOT, p), ROOT) for p in used}
-    held = {f"tests/figures/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "figures"))}
-    assert held == used, f"in tests/figures but unused: {sorted(held - used)}; used but " \
+    held = {f"tests/results/figures/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "results", "figures"))}
+    assert held == used, f"in tests/results/figures but unused: {sorted(held - used)}; used but " \
         f"missing: {sorted(used - held)}"
 
 
@@ -185,20 +185,27 @@ def test_the_slurm_array_script_runs_as_written_with_srun_and_scontrol_stood_in(
         assert requeued == (["requeue", "99_3"] if code else None), requeued
 
 
-def test_the_fork_loop_runs_as_written_and_a_ctrl_c_stops_every_run(tmp_path):
-    """README's fork loop, one seed in place of five, `python` stood in by a wrapper that gives
-    the two training runs a tiny configuration (2 envs x 32 steps): a Ctrl-C to the loop's
-    shell reaches both background runs (the trap passes it on as SIGTERM), each writes its
-    checkpoint, and the loop exits 130; the block's last line then compares them (at the
-    largest step both reached)."""
-    loop = raw_block("cp ppo_atari.py fork.py").replace("for seed in 1 2 3 4 5", "for seed in 1")
-    compare = loop.strip().splitlines()[-1]
-    assert compare.startswith("python tests/compare_runs.py"), compare
+def test_the_batch_runs_two_at_a_time_and_a_stop_to_its_group_stops_it_in_a_terminal_or_not(
+        tmp_path):
+    """README's batch (two seeds in place of three: four runs, two at a time), `python` stood in
+    by a wrapper that gives the training runs a tiny configuration (2 envs x 32 steps). Started
+    as from a terminal, a Ctrl-C to its process group (what a terminal sends) checkpoints both
+    runs in progress and starts no other. Run again as README's background line starts it
+    (setsid, SIGINT ignored as under nohup or a script's `&`), each run continues, and README's
+    kill line (SIGTERM to the group) checkpoints both and starts no other; the block's last line
+    then compares them (at the largest step both reached)."""
+    block = raw_block("cp ppo_atari.py fork.py").strip().splitlines()
+    batch, compare = "\n".join(block[1:-1]), block[-1]
+    assert compare.startswith("python tests/tools/compare_runs.py"), compare
+    assert "for seed in 1 2 3;" in batch and "xargs -P 2" in batch, batch
+    (tmp_path / "batch.sh").write_text(batch.replace("for seed in 1 2 3;", "for seed in 1 2;"))
     if importlib.util.find_spec("matplotlib") is None:
         compare = compare.replace(" --plot compare.png", "")
+    text = readme()
+    background = re.search(r"`(setsid bash batch.sh [^`]*&)`", text).group(1)
+    kill = re.search(r"`(kill -TERM -- [^`]*)`", text).group(1)
     shutil.copy(os.path.join(ROOT, "ppo_atari.py"), tmp_path / "ppo_atari.py")
-    (tmp_path / "tests").mkdir()
-    shutil.copy(os.path.join(ROOT, "tests", "compare_runs.py"), tmp_path / "tests")
+    shutil.copytree(os.path.join(ROOT, "tests", "tools"), tmp_path / "tests" / "tools")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").write_text(
         f'#!/bin/sh\ncase "$1" in ppo_atari.py|fork.py) exec {sys.executable} "$@" --num-envs 2 '
@@ -206,20 +213,43 @@ def test_the_fork_loop_runs_as_written_and_a_ctrl_c_stops_every_run(tmp_path):
         f'exec {sys.executable} "$@"\n')
     (tmp_path / "bin" / "python").chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
-    (tmp_path / "loop.sh").write_text(loop)
-    shell = subprocess.Popen(["bash", "loop.sh"], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     logs = [tmp_path / f"{script}-1.log" for script in ("ppo_atari", "fork")]
-    deadline = time.time() + 200
-    while time.time() < deadline and not all(
-            log.exists() and "step " in log.read_text() for log in logs):
-        time.sleep(0.2)
-    time.sleep(3)  # some games finish (a game lasts about 200 steps of an env)
-    shell.send_signal(signal.SIGINT)
-    out, err = shell.communicate(timeout=120)
-    assert shell.returncode == 130, (out, err)
+
+    def both_training():
+        deadline = time.time() + 200
+        while time.time() < deadline and not all(
+                log.exists() and "step " in log.read_text() for log in logs):
+            assert not any(log.exists() and "Error" in log.read_text() for log in logs), \
+                [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.2)
+        time.sleep(3)  # some games finish (a game lasts about 200 steps of an env)
+
+    def stopped_by(name: str, sid: int):
+        assert left_in_session(sid, within=60) == [], "a run of the batch is still going"
+        for log in logs:
+            assert f"by {name}; checkpoint written" in log.read_text(), log.read_text()[-2000:]
+        assert not list(tmp_path.glob("*-2.log")), "the batch started a run after the stop"
+
+    subprocess.run(block[0].split("  #")[0], shell=True, cwd=tmp_path, check=True)  # cp
+    shell = subprocess.Popen(["bash", "batch.sh"], cwd=tmp_path, env=env, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    both_training()
+    os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C in the terminal: the foreground group
+    shell.communicate(timeout=120)
+    stopped_by("SIGINT", shell.pid)
+
     for log in logs:
-        assert "by SIGTERM; checkpoint written" in log.read_text(), log.read_text()[-2000:]
+        log.rename(log.with_suffix(".first"))
+    subprocess.run(["bash", "-c", background], cwd=tmp_path, env=env, timeout=30,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    (group,) = [int(p) for p in subprocess.run(["pgrep", "-f", "^bash batch.sh"],
+                                               capture_output=True, text=True).stdout.split()]
+    both_training()
+    (tmp_path / "kill.sh").write_text(kill + "\n")
+    out = subprocess.run(["bash", "kill.sh"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    stopped_by("SIGTERM", group)
     out = subprocess.run(["bash", "-c", compare], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "P(fork > baseline) = " in out.stdout, (out.stdout[-2000:],

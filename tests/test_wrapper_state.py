@@ -1,7 +1,7 @@
 """A fork's wrapper state under README's *_state convention: found per wrapper layer (class and
 attribute) in every env that has it, numpy kept as numpy across a resume, anything a checkpoint
-cannot hold refused in one line before the first iteration, and every checkpoint the run writes
-loadable by load_checkpoint (a weights-only load)."""
+cannot hold refused in one line before the first iteration, every checkpoint the run writes
+loadable by load_checkpoint (a weights-only load), and a fork's vector wrapper checkpointed."""
 import importlib.util
 import os
 import sys
@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPT, need, need_text, run_script
+import ppo_atari as P
+from conftest import SCRIPT, TINY, need, need_text, run_in_process, run_script
+
 
 LINE = "        env = ClipReward(env)\n"
+
+
 TALLY = """
 class Tally(gym.Wrapper):
     \"\"\"A fork's stateful wrapper, as gymnasium keeps its numbers: numpy in *_state.\"\"\"
@@ -113,10 +117,34 @@ def test_state_a_checkpoint_cannot_hold_is_refused_in_one_line_before_training(w
 def test_numpy_state_round_trips_through_a_weights_only_load(tmp_path):
     """to_saved/from_saved: arrays and numpy scalars come back with their type and dtype."""
     need("main")
-    import ppo_atari as P
     value = {"a": np.arange(3, dtype=np.float32), "b": [np.int16(7), np.bool_(True)], "c": 2.5}
     torch.save({"v": P.to_saved(value)}, tmp_path / "x.pt")
     back = P.from_saved(torch.load(tmp_path / "x.pt", weights_only=True)["v"])
     assert back["a"].dtype == np.float32 and back["a"].tolist() == [0.0, 1.0, 2.0]
     assert type(back["b"][0]) is np.int16 and back["b"][0] == 7 and type(back["b"][1]) is np.bool_
     assert back["c"] == 2.5
+
+
+def test_a_forks_vector_wrapper_trains_stops_and_resumes_with_its_statistics(workdir):
+    """A fork that wraps the vector env in one of gymnasium's vector wrappers (reward
+    normalization, in make_envs): the machinery reaches the envs through gymnasium's public API
+    (envs.unwrapped.call), so the run trains, checkpoints the wrapper's running statistics
+    (checkpointed under "vector") and a resume continues them without a note."""
+    line = "    return envs\n"
+    need_text(line, "make_envs' last line `return envs`, which the test wraps")
+    source = open(SCRIPT).read().replace(
+        line, "    return gym.wrappers.vector.NormalizeReward(envs, gamma=args.gamma)\n")
+    (workdir / "normalized.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("normalized", workdir / "normalized.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+    command = [*TINY, "--run-name", "normalized", "--total-timesteps", "128"]
+    out = run_in_process([*command, "--stop-at-step", "64"], workdir, M)
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
+    count = M.from_saved(saved["NormalizeReward.return_rms"])["count"]
+    assert count > 64, f"the running statistics of 64 steps were not checkpointed: {saved}"
+    out = run_in_process(command, workdir, M)
+    assert out.returncode == 0 and "note: " not in out.stdout, (out.stdout, out.stderr[-2000:])
+    final = M.load_checkpoint("runs/normalized")["env_statistics"]["vector"]
+    assert M.from_saved(final["NormalizeReward.return_rms"])["count"] > count + 60

@@ -1,7 +1,7 @@
 """Thread-count probe (not collected by pytest): how fast is one training alone, and two at once
 on the same cores, for each choice of torch threads?
 
-    python tests/threads.py [--iterations 5] [--script ppo_atari.py]
+    python tests/dev/threads.py [--iterations 5] [--script ppo_atari.py]
 
 Each candidate runs the default configuration (8 envs x 128 steps) on the CPU for a few
 iterations, first alone, then as two trainings started together. A figure is the median over
@@ -17,8 +17,10 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import SCRIPT, scalars  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from events import scalars  # noqa: E402  (the tools' events reader)
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "ppo_atari.py")
 
 
 def start(script, threads, env, cwd, iterations):

@@ -1,11 +1,11 @@
 """Mutation runner (not collected by pytest): does the suite notice when a PPO or Atari detail
 breaks?
 
-    python tests/mutate.py                 # every detail (about 10 minutes on 2 cores)
-    python tests/mutate.py --only entropy  # the details whose name contains "entropy"
-    python tests/mutate.py --script ~/my-experiment/ppo_atari.py   # against a fork
-    python tests/mutate.py --control       # the unbroken file through the runner's own path
-    python tests/mutate.py --compare-runs  # tests/compare_runs.py's details, by its own tests
+    python tests/dev/mutate.py                 # every detail (about 10 minutes on 2 cores)
+    python tests/dev/mutate.py --only entropy  # the details whose name contains "entropy"
+    python tests/dev/mutate.py --script ~/my-experiment/ppo_atari.py   # against a fork
+    python tests/dev/mutate.py --control       # the unbroken file through the runner's own path
+    python tests/dev/mutate.py --compare-runs  # tests/tools/compare_runs.py's details, by its own tests
 (--only on the repository's file skips the control; a full run and a fork's run start with it)
 
 For each (detail, fragment of the file, broken replacement) below it copies the repository (what
@@ -29,15 +29,16 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # fast, focused files first: pytest -x stops at the first failure
 NOT_DETAILS = ["test_readme.py", "test_plot_curves.py", "test_measuring.py",  # figures, tooling
                "test_compare_runs.py"]
 ORDER = ["test_gae_loss.py", "test_details.py", "test_wrappers.py", "test_devices.py",
-         "test_backends.py", "test_train.py", "test_checkpoint.py", "test_cli.py",
-         "test_run_folders.py", "test_preemption.py", "test_distributed.py"]
+         "test_backends.py", "test_train.py", "test_checkpoint.py", "test_evaluation.py",
+         "test_cli.py", "test_run_folders_and_locks.py", "test_stops.py", "test_crashes.py",
+         "test_distributed.py"]
 
-INSTANT = "test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes"
+INSTANT = "test_crashes.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes"
 DEFAULTS = "test_details.py::test_args_defaults_are_the_published_hyperparameters"
 RESUME = "test_checkpoint.py::test_a_resume_restores_the_weights_the_optimizer_and_the_rng"
 GAMES = "test_checkpoint.py::test_a_resume_keeps_the_last_100_games"
@@ -142,7 +143,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('an async worker sets itself up (deaf to stop signals)',
      '        if os.getpid() != trainer:\n',
      '        if False:\n',
-     'test_backends.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer'),
+     'test_stops.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer'),
     ("parameters without a gradient skip the all-reduce",
      "grads = [p.grad for p in agent.parameters() if p.grad is not None]",
      "grads = [p.grad for p in agent.parameters()]", "test_distributed.py"),
@@ -215,7 +216,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('a partial first checkpoint starts again',
      'f != "agent.pt" and not re.fullmatch(r".+\\.pt\\..*tmp", f) for f in os.listdir(folder)):',
      'True for f in os.listdir(folder)):',
-     'test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes'),
+     'test_crashes.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes'),
     ('agent.pt before checkpoint.pt',
      '    write_atomically(os.path.join(run.folder, "agent.pt"), state, run.saved_step)\n    write_atomically(os.path.join(run.folder, "checkpoint.pt"), state | {\n',
      '    write_atomically(os.path.join(run.folder, "checkpoint.pt"), state, run.saved_step) or write_atomically(os.path.join(run.folder, "agent.pt"), state, run.saved_step)\n    (state | {\n',
@@ -223,26 +224,26 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('signals caught from the first instant',
      '    release = catch_stop_signals(stops)\n',
      '    release = lambda: None  # noqa: E731\n',
-     'test_preemption.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes'),
+     'test_crashes.py::test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes'),
     ('an ignored signal stays ignored',
      '        if handler != signal.SIG_IGN:\n',
      '        if True:\n',
-     'test_preemption.py::test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop'),
+     'test_stops.py::test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop'),
     ("async workers born with Ctrl-C and SIGTERM blocked",
      "        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # it unblocked INT and",
      "        pass  #", INSTANT),
     ("the resource tracker born with the warning signals blocked",
      "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))",
      "    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())",
-     "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
+     "test_stops.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
     ('a crash after a mid-run signal keeps its traceback',
      '        return train(args, ckpt, device, run, rank, world_size)\n    except OSError as e:',
      '        return train(args, ckpt, device, run, rank, world_size)\n    except RuntimeError:\n        if not stops:\n            raise\n        raise SystemExit(128 + stops[0])\n    except OSError as e:',
-     'test_preemption.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback'),
+     'test_stops.py::test_a_crash_after_a_signal_mid_run_keeps_its_traceback'),
     ("evaluation on another id of the agent's game",
      '    env_id = args.env_id if "env_id" in explicit else trained\n',
      "    env_id = trained\n",
-     "test_checkpoint.py::test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions"),
+     "test_evaluation.py::test_an_agent_is_scored_on_another_id_of_its_game_under_sticky_actions"),
     # the published defaults (tests/test_details.py's PUBLISHED table)
     *[(f"default {name} {value}", f"    {name}: {kind} = {value}\n",
        f"    {name}: {kind} = {broken}\n", DEFAULTS) for name, kind, value, broken in [
@@ -287,7 +288,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('--no-cuda hides the GPUs before torch counts them',
      '        os.environ["CUDA_VISIBLE_DEVICES"] = ""\n',
      '        pass\n',
-     'test_entry_points.py::test_no_cuda_hides_the_gpus_before_torch_counts_them'),
+     'test_devices.py::test_no_cuda_hides_the_gpus_before_torch_counts_them'),
     ("videos numbered on after a resume's earlier ones",
      "states = [{key: saved[key][first + i] for key in now & kept if",
      "states = [{key: saved[key][first + i] for key in now & kept - {COUNT} if".replace(
@@ -307,15 +308,15 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('a worker whose trainer is gone exits quietly',
      '            signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n',
      '',
-     'test_backends.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer'),
+     'test_stops.py::test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer'),
     ('a second Ctrl-C kills the workers before exiting',
      '        kill_workers()  # before they find the trainer gone\n',
      '',
-     'test_backends.py::test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step'),
+     'test_stops.py::test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step'),
     ('a stop is recorded before its answer is written',
      '    stops.append(signum)\n    if len(stops) == 1 and not (dist.is_initialized() and dist.get_rank() > 0):\n        with contextlib.suppress(Exception):  # a closed pipe, a write this handler interrupted\n            print(stop_answer(run, signum), file=sys.stderr, flush=True)\n',
      '    if not stops and not (dist.is_initialized() and dist.get_rank() > 0):\n        print(stop_answer(run, signum), file=sys.stderr, flush=True)\n    stops.append(signum)\n',
-     'test_entry_points.py::test_main_from_a_script_whose_stderr_is_closed_still_stops_on_sigterm'),
+     'test_stops.py::test_main_from_a_script_whose_stderr_is_closed_still_stops_on_sigterm'),
     ('the continue line repeats the launch-only options',
      'shlex.join([python] * (world_size == 1) + [sys.argv[0], "--resume", shown, *again])',
      'shlex.join([python] * (world_size == 1) + [sys.argv[0], "--resume", shown])',
@@ -326,7 +327,7 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('--no-cuda says when torch counted the GPUs first',
      '        if torch.cuda.is_available():  # counted before this line: too late to hide them\n',
      '        if False:\n',
-     'test_entry_points.py::test_no_cuda_hides_the_gpus_before_torch_counts_them'),
+     'test_devices.py::test_no_cuda_hides_the_gpus_before_torch_counts_them'),
     ("no sticky actions in training (v4)", "env = gym.make(env_id, frameskip=1)",
      "env = gym.make(env_id, frameskip=1, repeat_action_probability=0.25)",
      "test_wrappers.py::test_the_emulator_settings_of_record_in_the_copys_own_training_env"),
@@ -350,36 +351,36 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ('numpy in carry saved loadable',
      '"env_statistics": env_state, "carry": to_saved(carry)}, run.saved_step)',
      '"env_statistics": env_state, "carry": carry}, run.saved_step)',
-     'test_entry_points.py::test_each_kind_a_fork_keeps_in_carry_comes_back_as_it_was'),
+     'test_checkpoint.py::test_each_kind_a_fork_keeps_in_carry_comes_back_as_it_was'),
     ("an unsavable carry refused at the end of its iteration",
      "env_state = wrapper_statistics(envs, world_size, carry, gather=checkpoint)",
      "env_state = wrapper_statistics(envs, world_size, carry) if checkpoint else None",
-     "test_entry_points.py::test_what_carry_cannot_hold_is_refused_at_the_end_of_the_iteration_"
+     "test_checkpoint.py::test_what_carry_cannot_hold_is_refused_at_the_end_of_the_iteration_"
      "that_set_it"),
     ('agent.pt with every checkpoint',
      '    write_atomically(os.path.join(run.folder, "agent.pt"), state, run.saved_step)\n',
      '    if finished:\n        write_atomically(os.path.join(run.folder, "agent.pt"), state, run.saved_step)\n',
-     'test_preemption.py::test_after_a_kill_9_readmes_evaluation_scores_the_latest_weights'),
+     'test_crashes.py::test_after_a_kill_9_readmes_evaluation_scores_the_latest_weights'),
     ('main() from a thread leaves signals to the caller',
      '    if threading.current_thread() is not threading.main_thread():\n        return lambda: None\n',
      '    if False:\n        return lambda: None\n',
-     'test_entry_points.py::test_main_in_a_thread_trains_to_its_end_and_leaves_signals_to_the_caller'),
+     'test_stops.py::test_main_in_a_thread_trains_to_its_end_and_leaves_signals_to_the_caller'),
     ('a stop during evaluation ends it',
      '    while len(scores) < args.eval_episodes and not stops:',
      '    while len(scores) < args.eval_episodes:',
-     'test_entry_points.py::test_a_stop_during_evaluation_prints_the_games_played_and_exits_quietly'),
+     'test_stops.py::test_a_stop_during_evaluation_prints_the_games_played_and_exits_quietly'),
     ("a torchrun restart continues its job's run",
      '            name, dated = store.get("ppo_atari/run_name").decode(), False\n',
      '            dated = True\n',
-     'test_entry_points.py::test_a_torchrun_restart_without_a_run_name_continues_its_run'),
+     'test_distributed.py::test_a_torchrun_restart_without_a_run_name_continues_its_run'),
     ("--resume under another --run-name refused",
      '    if "run_name" in explicit and name != (folder :=',
      '    if False and name != (folder :=',
-     "test_entry_points.py::test_resume_under_another_run_name_is_refused_and_damages_nothing"),
+     "test_run_folders_and_locks.py::test_resume_under_another_run_name_is_refused_and_damages_nothing"),
     ('the stop agreed over ranks',
      'stopped = stats["stop"] > 0',
      'stopped = bool(run.stops)',
-     'test_preemption.py::test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration'),
+     'test_stops.py::test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration'),
     ("episode statistics innermost (raw score)",
      "        env = gym.wrappers.RecordEpisodeStatistics(env)  # full game, raw score\n"
      "        env = NoopReset(env, noop_max=30)\n",
@@ -406,30 +407,30 @@ MUTATIONS = [  # (detail, fragment, broken replacement[, the test file to run fi
     ("runs started in the same second get folders of their own",
      "            os.makedirs(os.path.join(parent, folder))\n",
      "            os.makedirs(os.path.join(parent, folder), exist_ok=True)\n",
-     "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
+     "test_run_folders_and_locks.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
     ("evaluations in the same second log apart", '-seed{args.seed}-{time.time():.3f}"',
      '-seed{args.seed}-{int(time.time())}"',
-     "test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
+     "test_run_folders_and_locks.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own"),
     ('a dated name is never taken for a run to continue',
      '    named = args.resume is None and not dated  #',
      '    named = args.resume is None  #',
-     'test_entry_points.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own'),
+     'test_run_folders_and_locks.py::test_new_runs_started_in_the_same_second_get_folders_of_their_own'),
     ('a run continues only with the file that trained it',
      '    if theirs != source and not args.allow_other_file:',
      '    if False:',
-     'test_run_folders.py::test_a_run_continues_only_with_the_file_that_trained_it'),
+     'test_run_folders_and_locks.py::test_a_run_continues_only_with_the_file_that_trained_it'),
     ('the checkpoint records the file that wrote it',
      '"finished": finished, "source": run.source}',
      '"finished": finished}',
-     'test_run_folders.py::test_a_run_continues_only_with_the_file_that_trained_it'),
+     'test_run_folders_and_locks.py::test_a_run_continues_only_with_the_file_that_trained_it'),
     ("a fork's vector wrapper keeps its statistics",
      '    return all_ranks_statistics(states, world_size) | {"vector": vector["state"]}',
      '    return all_ranks_statistics(states, world_size) | {"vector": {}}',
-     'test_entry_points.py::test_a_forks_vector_wrapper_trains_stops_and_resumes_with_its_statistics'),
+     'test_wrapper_state.py::test_a_forks_vector_wrapper_trains_stops_and_resumes_with_its_statistics'),
 ]
 
 
-COMPARE_RUNS = [  # (detail, fragment of tests/compare_runs.py, broken replacement)
+COMPARE_RUNS = [  # (detail, fragment of tests/tools/compare_runs.py, broken replacement)
     ("a 95% interval from the 2.5% and 97.5% percentiles",
      "    tail = 100 * (1 - confidence) / 2\n", "    tail = 25.0\n"),
     ("every resample counted (not 20)", "    draws = aggregates(resample(per_game, rng, reps), bounds)",
@@ -454,7 +455,7 @@ COMPARE_RUNS = [  # (detail, fragment of tests/compare_runs.py, broken replaceme
 ]
 
 
-FOLDERS = "test_run_folders.py::"
+FOLDERS = "test_run_folders_and_locks.py::"
 MUTATIONS += [  # one run, one folder, one writer; the warning signals
     ("a run folder has one writer (an exclusive lock)",
      "        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)",
@@ -472,7 +473,7 @@ MUTATIONS += [  # one run, one folder, one writer; the warning signals
     ("a torchrun job's new run gets a folder of its own",
      '        args = dataclasses.replace(args, run_name=own_folder(args.runs_dir, name))',
      '        args = dataclasses.replace(args, run_name=name if store else own_folder(args.runs_dir, name))',
-     'test_run_folders.py::test_two_torchrun_jobs_in_one_second_get_a_folder_each'),
+     'test_run_folders_and_locks.py::test_two_torchrun_jobs_in_one_second_get_a_folder_each'),
     ("a checkpoint with fields this file lacks refused", "    if theirs - ours:",
      "    if False:", FOLDERS + "test_a_checkpoint_of_another_version_of_the_file"),
     ("an older snapshot never replaces a newer checkpoint",
@@ -481,25 +482,25 @@ MUTATIONS += [  # one run, one folder, one writer; the warning signals
     ('--runs-dir is where the run goes',
      '    folder = ckpt["run_dir"] if ckpt else os.path.join(args.runs_dir, args.run_name)',
      '    folder = ckpt["run_dir"] if ckpt else os.path.join("runs", args.run_name)',
-     'test_run_folders.py::test_runs_dir_pins_the_run_whatever_the_working_directory'),
+     'test_run_folders_and_locks.py::test_runs_dir_pins_the_run_whatever_the_working_directory'),
     ("the warning signals are stops",
      "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)",
      "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)",
-     "test_backends.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
+     "test_stops.py::test_async_workers_survive_a_stop_signal_to_the_process_group"),
     ("a refused pickle names its global, never advises an unsafe load",
      '        if "weights_only" in reason:', "        if False:",
      "test_checkpoint.py::test_malicious_pickle_never_runs"),
 ]
-STOPS, FAILURES = "test_preemption.py::", "test_failures.py::"
+CRASHES = "test_crashes.py::"
 MUTATIONS += [  # every stop a stop, every failure says what it cost, output never stops a run
     ('the first stop signal answered at once',
      '            print(stop_answer(run, signum), file=sys.stderr, flush=True)',
      '            pass',
-     'test_preemption.py::test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once'),
+     'test_stops.py::test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once'),
     ('a stop gives up the rollout in progress',
      '        if stop:  # checked between env steps',
      '        if False:  # checked between env steps',
-     'test_preemption.py::test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once'),
+     'test_stops.py::test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answered_at_once'),
     ("a given-up rollout checkpoints its iteration's RNG as it began",
      '            set_rng_state(rng, device)\n',
      '',
@@ -509,38 +510,38 @@ MUTATIONS += [  # every stop a stop, every failure says what it cost, output nev
      'global_step, iteration,\n',
      'test_checkpoint.py::test_a_resume_continues_exactly_where_the_checkpoint_left_off'),
     ("--checkpoint-minutes checkpoints on time", "    return due.item() > 0",
-     "    return False", STOPS + "test_checkpoint_minutes_bounds_what_a_kill_9_loses"),
+     "    return False", CRASHES + "test_checkpoint_minutes_bounds_what_a_kill_9_loses"),
     ("a failed write leaves no temporary file", "            os.remove(temporary)",
-     "            pass", FAILURES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_"
+     "            pass", CRASHES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_"
      "checkpoint_and_leaves_no_temporary"),
     ('a failed checkpoint write is one line',
      '        cannot_write(path, storage_error(e), held)',
      '        raise',
-     'test_failures.py::test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_temporary'),
+     'test_crashes.py::test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_temporary'),
     ("a failed events write is one line", "    except OSError as e:  # an events write",
-     "    except ZeroDivisionError as e:  # an events write", FAILURES + "test_a_full_disk_ends"
+     "    except ZeroDivisionError as e:  # an events write", CRASHES + "test_a_full_disk_ends"
      "_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_temporary"),
     ("a start needs room for two checkpoints", "    if room < need:", "    if False:",
-     FAILURES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_"
+     CRASHES + "test_a_full_disk_ends_the_run_in_one_line_keeps_its_checkpoint_and_leaves_no_"
      "temporary"),
     ("a read-only run folder is evaluated into runs/ here",
      "    if not os.access(run_dir, os.W_OK):", "    if False:",
-     FAILURES + "test_a_read_only_run_folder_is_evaluated_with_its_events_under_runs_here"),
+     CRASHES + "test_a_read_only_run_folder_is_evaluated_with_its_events_under_runs_here"),
     ("closed output never stops a run",
      "    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)", "    pass",
-     FAILURES + "test_closed_output_never_stops_a_run"),
+     CRASHES + "test_closed_output_never_stops_a_run"),
     ("the launch and its run folder in the events", '    writer.add_text("launch", ',
-     '    writer.add_text("started", ', FAILURES + "test_closed_output_never_stops_a_run"),
+     '    writer.add_text("started", ', CRASHES + "test_closed_output_never_stops_a_run"),
     ('under torchrun no rank gives its rollout up alone',
      'run.stops if world_size == 1 else ())',
      'run.stops)',
-     'test_preemption.py::test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration'),
+     'test_stops.py::test_a_sigterm_to_one_rank_alone_stops_every_rank_in_the_same_iteration'),
 ]
 
 
 def compare_runs_details(timeout) -> list:
     """Each COMPARE_RUNS detail broken in a copy of the repository, test_compare_runs.py run."""
-    tool = open(os.path.join(ROOT, "tests", "compare_runs.py")).read()
+    tool = open(os.path.join(ROOT, "tests", "tools", "compare_runs.py")).read()
     results = []
     for detail, fragment, replacement in [("(control: unbroken)", "", "")] + COMPARE_RUNS:
         if fragment and tool.count(fragment) != 1:
@@ -549,7 +550,7 @@ def compare_runs_details(timeout) -> list:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             copy_repository(tmp, open(os.path.join(ROOT, "ppo_atari.py")).read())
-            with open(os.path.join(tmp, "tests", "compare_runs.py"), "w") as f:
+            with open(os.path.join(tmp, "tests", "tools", "compare_runs.py"), "w") as f:
                 f.write(tool.replace(fragment, replacement) if fragment else tool)
             start = time.time()
             out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
@@ -629,7 +630,7 @@ def main():
     parser.add_argument("--control", action="store_true",
                         help="only the control: the unbroken copy through the runner's path")
     parser.add_argument("--compare-runs", action="store_true",
-                        help="break tests/compare_runs.py instead, detail by detail")
+                        help="break tests/tools/compare_runs.py instead, detail by detail")
     a = parser.parse_args()
     if a.compare_runs:
         results = compare_runs_details(a.timeout)

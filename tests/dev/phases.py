@@ -1,9 +1,9 @@
 """Where a training iteration's time goes (not collected by pytest):
 
-    python tests/phases.py                         # sync and async, 8 envs, CPU
-    python tests/phases.py --cuda --compile        # on a GPU, the policy and loss compiled
-    python tests/phases.py --loop-cost             # the loop's own cost: no-op envs, no network
-    python tests/phases.py --loop-cost --script old_ppo_atari.py    # another copy's loop
+    python tests/dev/phases.py                         # sync and async, 8 envs, CPU
+    python tests/dev/phases.py --cuda --compile        # on a GPU, the policy and loss compiled
+    python tests/dev/phases.py --loop-cost             # the loop's own cost: no-op envs, no network
+    python tests/dev/phases.py --loop-cost --script old_ppo_atari.py    # another copy's loop
 
 Phases (default): for each backend, the file's own `rollout` is timed as it runs (the rollout
 per vector step, no added syncs), then an instrumented copy of its step times each phase alone,
@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load(script: str):

@@ -1,5 +1,8 @@
-"""--run-name: the same command continues a preempted run, and torchrun --max-restarts brings a
-run back after a worker is SIGKILLed; finished and foreign folders are left alone."""
+"""Every stop and signal, in real processes: Ctrl-C, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2
+checkpoint and print the command that continues the run (exit 128 + n); a stop mid-rollout gives
+the rollout up within a second; a second Ctrl-C exits at once; signals ignored at start stay
+ignored; async workers and torchrun ranks stop with the trainer; --stop-at-step; a stop during an
+evaluation; main() from a thread or with a closed stderr; a fork that renamed train's variables."""
 import importlib.util
 import os
 import re
@@ -11,18 +14,12 @@ import sys
 import time
 
 import pytest
-import torch
 
+import conftest
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, Launched, free_port, is_repository_file, launch,
-                      left_in_session, need, run_dirs,
-                      run_in_process, scalars)
-
-ITER = 64  # steps per iteration of TINY: 2 envs x 32 steps
-
-
-def listing(folder):
-    return {f: os.path.getmtime(os.path.join(folder, f)) for f in sorted(os.listdir(folder))}
+from conftest import (ITER, JOB, Launched, SCRIPT, TINY, assert_finished, free_port,
+                      is_repository_file, killed_at, killer, launch, left_in_session, listing,
+                      need, run_dirs, run_in_process, scalars, tiny_args)
 
 
 def started(command, cwd):
@@ -97,284 +94,6 @@ def wait_for(condition, seconds=5.0) -> bool:
     return condition()
 
 
-def test_a_folder_of_something_else_is_refused(workdir):
-    (workdir / "runs" / "typo").mkdir(parents=True)
-    (workdir / "runs" / "typo" / "notes.txt").write_text("keep")
-    out = run_in_process([*TINY, "--total-timesteps", "64", "--run-name", "typo"], workdir)
-    assert out.returncode == 2 and "holds files but no checkpoint.pt" in out.stderr, out.stderr
-    assert os.listdir(workdir / "runs" / "typo") == ["notes.txt"]
-    bad = run_in_process([*TINY, "--run-name", "../elsewhere"], workdir)
-    assert bad.returncode == 2 and "must be a plain folder name" in bad.stderr
-
-
-def test_an_empty_folder_is_used_and_a_new_run_checkpoints_before_logging(workdir, monkeypatch):
-    (workdir / "runs" / "fresh").mkdir(parents=True)
-    at_first_event, real = [], P.SummaryWriter
-
-    def writer(run_dir, **kw):  # the checkpoint a restart would find before any event exists
-        at_first_event.append(P.load_checkpoint(run_dir)["iteration"])
-        return real(run_dir, **kw)
-
-    monkeypatch.setattr(P, "SummaryWriter", writer)
-    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
-                  total_timesteps=64, run_name="fresh"))
-    assert at_first_event == [0]
-    assert P.load_checkpoint(str(workdir / "runs" / "fresh"))["global_step"] == 64
-
-
-def worker_pids(parent):
-    """{RANK: pid} of the workers torchrun (pid `parent`) started."""
-    pids = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
-            if "RANK" in env:
-                pids[int(env["RANK"])] = int(pid)
-    return pids
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_worker_killed_on_one_of_two_nodes_is_restarted_on_both(tmp_path):
-    """Two torchrun agents as two nodes, each in its own folder: the node whose worker dies
-    counts a restart and the other need not (TORCHELASTIC_RESTART_COUNT differs), yet the
-    restarted workers must join one group at once and finish the run from its checkpoint."""
-    total, port = 8 * 2 * ITER, free_port()
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    agents = []
-    for folder in folders:
-        folder.mkdir()
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-             "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-             "--max-restarts", "1", SCRIPT, *TINY, "--total-timesteps", str(total),
-             "--checkpoint-interval", "3", "--run-name", "mn", "--dist-timeout", "60"],
-            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")))
-    deadline, ranks = time.time() + 200, {}
-    while time.time() < deadline and len(ranks) < 2:  # which agent's worker is rank 0
-        ranks = {r: (agent, pid) for agent in agents for r, pid in worker_pids(agent.pid).items()}
-        time.sleep(0.2)
-    first, other = ranks[0][0], ranks[1]
-    run = os.path.join(folders[agents.index(first)], "runs", "mn")
-    while time.time() < deadline:  # the first periodic checkpoint (iteration 3)
-        path = os.path.join(run, "checkpoint.pt")
-        if os.path.exists(path) and P.load_checkpoint(path)["iteration"] >= 3:
-            break
-        time.sleep(0.2)
-    os.kill(other[1], signal.SIGKILL)  # the worker of the node that holds rank 1
-    outs = [agent.communicate(timeout=300)[0] for agent in agents]
-    for agent, out in zip(agents, outs):
-        assert agent.returncode == 0, out[-3000:]
-    assert all("init_process_group" not in out for out in outs), "a restarted worker failed " \
-        "to join the group (and spent a restart)"
-    assert "continuing" in outs[agents.index(first)], "the restarted workers did not continue"
-    assert P.load_checkpoint(run)["global_step"] == total
-    steps = [s for s, _ in scalars(run)["charts/SPS"]]  # TensorBoard's view: events purged
-    assert steps == list(range(2 * ITER, total + 1, 2 * ITER)), "repeated or missing iterations"
-    # a checkpoint of 2 processes cannot be continued by 1
-    one = run_in_process([*TINY, "--total-timesteps", str(2 * total), "--run-name", "mn"],
-                         os.path.dirname(os.path.dirname(run)))
-    assert one.returncode == 2 and "written by 2 process(es) and this launch has 1" in one.stderr
-
-
-TRAINER_IN_A_CHILD = """
-import multiprocessing, os, signal, sys
-sys.path.insert(0, os.path.dirname(os.environ["PPO_ATARI_SCRIPT"]))
-
-def train():
-    import ppo_atari as P
-    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
-                  total_timesteps=128))
-    sys.exit(3 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 0)
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
-    child = multiprocessing.get_context("spawn").Process(target=train)
-    child.start()
-    child.join()
-    print("exit", child.exitcode, flush=True)
-"""
-
-
-def test_a_trainer_inside_a_multiprocessing_child_is_not_taken_for_an_env_worker(tmp_path):
-    """A sweep (multiprocessing.Pool, submitit) runs the trainer in a child process: it must
-    keep Ctrl-C (not ignore it as an async env worker does), also after training."""
-    (tmp_path / "sweep.py").write_text(TRAINER_IN_A_CHILD)
-    out = subprocess.run([sys.executable, "sweep.py"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
-    assert "exit 0" in out.stdout, (out.stdout, out.stderr[-2000:])
-
-
-# Runs the file under test (PPO_ATARI_SCRIPT) and kills itself at one exact instant, named by
-# KILL_AT = "rename:FILE:N": the N-th write of FILE, its temporary file half written and not yet
-# renamed; "call:NAME:N": the moment the N-th call of the file's NAME has returned. SIGNAL names
-# the signal (default SIGKILL); SWALLOW=1 sends it from inside a finalizer (__del__), where
-# Python's default Ctrl-C handler raises a KeyboardInterrupt that is printed and dropped;
-# THEN_RAISE=1 makes that call raise a RuntimeError once the file has recorded the signal (in
-# the list catch_stop_signals was given), or after 10 s without.
-KILLER = """
-import importlib.util, os, signal, sys, time
-import gymnasium as gym
-import tyro
-spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
-P = importlib.util.module_from_spec(spec)
-sys.modules["ppo_atari"] = P
-spec.loader.exec_module(P)
-where, name, nth = os.environ["KILL_AT"].split(":")
-sig, seen, stops = getattr(signal, os.environ.get("SIGNAL", "SIGKILL")), [], []
-if hasattr(P, "catch_stop_signals"):  # keep the list a signal is recorded in
-    real_catch = P.catch_stop_signals
-    def catch(stop, *a, **kw):
-        stops.append(stop)
-        return real_catch(stop, *a, **kw)
-    P.catch_stop_signals = catch
-
-class Finalizer:
-    def __del__(self):
-        os.kill(os.getpid(), sig)
-        sum(range(10 ** 5))  # Python runs the handler here, inside __del__
-
-def hit():
-    seen.append(1)
-    if len(seen) == int(nth):
-        Finalizer() if os.environ.get("SWALLOW") else os.kill(os.getpid(), sig)
-
-if where == "group":  # the whole process group, the moment the async workers start
-    real_check = gym.vector.AsyncVectorEnv._check_spaces
-    def check_spaces(self):
-        os.killpg(os.getpgid(0), sig)
-        return real_check(self)
-    gym.vector.AsyncVectorEnv._check_spaces = check_spaces
-elif where == "rename":
-    real_replace = os.replace
-    def replace(src, dst, *a, **kw):
-        if os.path.basename(dst) == name and len(seen) + 1 == int(nth):
-            os.truncate(src, os.path.getsize(src) // 2)
-            hit()
-        elif os.path.basename(dst) == name:
-            seen.append(1)
-        return real_replace(src, dst, *a, **kw)
-    os.replace = replace
-else:
-    real = getattr(P, name)
-    def call(*a, **kw):
-        out = real(*a, **kw)
-        hit()
-        if os.environ.get("THEN_RAISE") and len(seen) == int(nth):
-            deadline = time.time() + 10
-            while not (stops and stops[0]) and time.time() < deadline:
-                time.sleep(0.01)
-            if not (stops and stops[0]):
-                raise RuntimeError("the signal was never recorded")
-            raise RuntimeError("a bug after the signal was recorded")
-        return out
-    setattr(P, name, call)
-if __name__ == "__main__":  # async env workers import this file as their main module
-    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
-"""
-TOTAL = 4 * ITER
-JOB = [*TINY, "--total-timesteps", str(TOTAL), "--checkpoint-interval", "1", "--run-name", "job"]
-
-
-def killer(cwd, kill_at, args=JOB, **env):
-    """The harness in cwd, started in a session of its own (so a group signal stays in it)."""
-    (cwd / "killer.py").write_text(KILLER)
-    return launch(args, cwd, script=cwd / "killer.py", env=dict(KILL_AT=kill_at, **env),
-                  new_session=True)
-
-
-def assert_finished(run):
-    assert P.load_checkpoint(run)["global_step"] == TOTAL
-    agent = P.load_checkpoint(os.path.join(run, "agent.pt"))
-    assert agent["finished"] is True and agent["global_step"] == TOTAL
-    steps = [s for s, _ in scalars(run)["losses/value_loss"]]  # TensorBoard's view
-    assert steps == list(range(ITER, TOTAL + 1, ITER)), f"iterations logged at {steps}"
-
-
-ASYNC = [*JOB, "--env-backend", "async"]
-INSTANTS = {  # instant: (KILL_AT, the command, the harness's environment, its exit code)
-    "start-up, envs made": ("call:make_envs:1", JOB, {}, -9),
-    "writing the first checkpoint": ("rename:checkpoint.pt:1", JOB, {}, -9),
-    "the TensorBoard writer's first event file": ("call:SummaryWriter:1", JOB, {}, -9),
-    "writing a later checkpoint": ("rename:checkpoint.pt:3", JOB, {}, -9),
-    "writing the final agent.pt": ("rename:agent.pt:5", JOB, {}, -9),  # (4 iterations)
-    # Python's default handler raises Ctrl-C as a KeyboardInterrupt wherever the main thread
-    # is, and one raised in a finalizer (__del__) is printed and dropped: the run trained on
-    # as if never signalled. Caught from main's first instant (here: as the run folder is
-    # decided, before training), it checkpoints step 0 and stops.
-    "Ctrl-C inside a finalizer during start-up": ("call:open_run:1", JOB,
-                                                  {"SIGNAL": "SIGINT", "SWALLOW": "1"}, 130),
-    # Ctrl-C and SLURM's SIGTERM reach the whole group, async workers still starting too: they
-    # must survive it (born with both blocked), and the trainer stops after its first iteration
-    "SIGTERM to the group while async workers start": ("group:_check_spaces:1", ASYNC,
-                                                       {"SIGNAL": "SIGTERM"}, 143),
-    "Ctrl-C to the group while async workers start": ("group:_check_spaces:1", ASYNC,
-                                                      {"SIGNAL": "SIGINT"}, 130),
-}
-
-
-@pytest.fixture(scope="module")
-def instants(tmp_path_factory):
-    """Every instant's harness run at once, then the same command line in each folder, in this
-    process and with sync envs (what is checked is the folder the killed process left; a resume
-    may change --env-backend)."""
-    need("main")
-    folders = {name: tmp_path_factory.mktemp("instant") for name in INSTANTS}
-    procs = {name: killer(folders[name], kill_at, args, **env)
-             for name, (kill_at, args, env, _) in INSTANTS.items()}
-    killed = {name: (p.wait(timeout=150), *p.communicate()) for name, p in procs.items()}
-    left = {name: sorted(os.listdir(f / "runs" / "job")) if (f / "runs" / "job").is_dir() else []
-            for name, f in folders.items()}
-    later = folders["writing a later checkpoint"]  # README's evaluation command, after kill -9
-    scored = run_in_process(["--eval-checkpoint", "runs/job/agent.pt", "--eval-episodes", "1",
-                             "--no-cuda", "--threads", "1"], later)
-    steps = [torch.load(later / "runs" / "job" / f)["global_step"] if (
-        later / "runs" / "job" / f).is_file() else None for f in ("checkpoint.pt", "agent.pt")]
-    again = {name: run_in_process([*JOB, "--env-backend", "sync"], folders[name])
-             for name in INSTANTS}
-    again = {name: (out.returncode, out.stdout, out.stderr) for name, out in again.items()}
-    return {name: (folders[name], killed[name], again[name], left[name]) for name in INSTANTS} | {
-        "scored after kill -9": (scored, *steps)}
-
-
-def test_after_a_kill_9_readmes_evaluation_scores_the_latest_weights(instants):
-    """SIGKILL while the 3rd checkpoint (step 128) is written: checkpoint.pt still holds step
-    64, and agent.pt, written just before it, step 128. `--eval-checkpoint runs/NAME/agent.pt`
-    scores those weights: the latest, never older than the checkpoint a resume continues."""
-    scored, checkpoint_step, agent_step = instants["scored after kill -9"]
-    assert scored.returncode == 0, scored.stderr[-2000:]
-    assert (checkpoint_step, agent_step) == (64, 128), (checkpoint_step, agent_step)
-    assert "over 1 game (agent at step 128)" in scored.stdout, scored.stdout
-
-
-@pytest.mark.parametrize("instant", list(INSTANTS))
-def test_a_kill_at_this_instant_leaves_a_run_the_same_command_finishes(instants, instant):
-    folder, (code, out, err), (again_code, again_out, again_err), left = instants[instant]
-    assert code == INSTANTS[instant][3], (code, err[-2000:])
-    run = folder / "runs" / "job"
-    if instant == "writing the first checkpoint":
-        assert left[0] == "agent.pt" and re.fullmatch(r"checkpoint\.pt\.\d+\.tmp", left[1]) \
-            and len(left) == 2, left  # the temporary file is named per process
-        assert not [f for f in os.listdir(run) if f.endswith(".tmp")], "the dead writer's .tmp"
-    if code > 0:  # caught and acted on: a checkpoint after the first iteration, no traceback
-        assert "continue with: " in out and "Traceback" not in err, (out, err[-2000:])
-    assert again_code == 0, again_err[-2000:]
-    if instant == "writing the final agent.pt":  # written before the final checkpoint
-        assert "continuing runs/job at step 192 of 256" in again_out, again_out
-    assert_finished(str(run))
-
-
-def killed_at(cwd, kill_at, args=JOB, **env):
-    proc = killer(cwd, kill_at, args, **env)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(kill_at, proc.returncode, out, err)
-
-
 def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
     """A signal during an update asks for a stop at the end of the iteration; an error before
     then is a bug of its own, shown with its traceback, not taken for a signalled start-up."""
@@ -389,21 +108,6 @@ def test_a_crash_after_a_signal_mid_run_keeps_its_traceback(tmp_path):
                                  f"recorded must exit 1 with its traceback", out.stderr[-2000:])
     assert "Traceback" in out.stderr and "RuntimeError: a bug after the signal was recorded" in \
         out.stderr, out.stderr[-2000:]
-
-
-def test_a_kill_during_evaluation_leaves_the_run_and_the_same_command_plays(instants):
-    folder = instants["start-up, envs made"][0]  # a run the same command finished
-    run = str(folder / "runs" / "job")
-    before = listing(run)
-    evaluation = ["--eval-checkpoint", os.path.join(run, "agent.pt"), "--eval-episodes", "1",
-                  "--no-cuda"]
-    out = killed_at(folder, "call:SummaryWriter:1", args=evaluation)
-    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    again, training = run_in_process(evaluation, folder), run_in_process(JOB, folder)
-    assert again.returncode == 0 and "over 1 game (agent at step 256)" in again.stdout
-    assert "nothing written" in training.stdout
-    assert {f: t for f, t in listing(run).items() if f != "eval"} == before
-    assert_finished(run)
 
 
 def stderr_line(proc, text: str, seconds: float = 10.0) -> tuple[str | None, float]:
@@ -440,22 +144,6 @@ def test_a_stop_gives_up_the_rollout_in_progress_and_the_first_ctrl_c_is_answere
     assert held["global_step"] == 512 and "stopped at step 512 of 100,000 by SIGINT" in out, (
         f"the checkpoint holds step {held['global_step']} {ended - sent:.1f} s after the "
         f"Ctrl-C: the stop waited for the rollout in progress")
-
-
-def test_checkpoint_minutes_bounds_what_a_kill_9_loses(tmp_path):
-    """--checkpoint-interval 1000 with --checkpoint-minutes 0.001 (0.06 s): by the first progress
-    line's end of iteration a checkpoint is written, which a kill -9 keeps."""
-    need("main")
-    proc = launch([*TINY, "--total-timesteps", "100000", "--checkpoint-interval", "1000",
-                   "--checkpoint-minutes", "0.001", "--run-name", "timed"], tmp_path)
-    assert proc.line_starting("step "), proc.communicate()[1][-2000:]
-    deadline = time.time() + 30
-    while P.load_checkpoint(str(tmp_path / "runs" / "timed"))["global_step"] < 128 and \
-            time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.kill()
-    proc.communicate()
-    assert P.load_checkpoint(str(tmp_path / "runs" / "timed"))["global_step"] >= 128
 
 
 def test_signals_ignored_at_start_stay_ignored_and_the_warning_signals_stop(tmp_path):
@@ -675,3 +363,343 @@ def test_a_fork_that_renamed_trains_variables_and_decorated_its_phases_stops_rig
         assert again.returncode == 0 and f"continuing runs/job at step {2 * ITER}" in \
             again.stdout, (when, again.stderr[-2000:])
         assert_finished(str(folder / "runs" / "job"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_async_workers_survive_a_stop_signal_to_the_process_group(tmp_path, signum):
+    """SLURM sends SIGTERM to every process, an ssh drop SIGHUP to the process group: the
+    workers (and the resource tracker and the server they fork from) must keep serving the
+    trainer until it has finished its iteration and written the checkpoint; exit 128 + n, no
+    traceback, no process left."""
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async"], tmp_path,
+                  new_session=True)
+    proc.line_starting("step ")
+    os.killpg(proc.pid, signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and f"by {signum.name}; checkpoint written" in out, \
+        err[-2000:]
+    assert "Traceback" not in err and not left_in_session(proc.pid), err[-2000:]
+    (run,) = run_dirs(tmp_path)
+    assert P.load_checkpoint(run)["global_step"] >= 64
+
+
+SIGNAL_IN_STEP = """
+import importlib.util, os, signal, sys
+import gymnasium as gym, tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+class Pipe:  # env 1's pipe: its 140th answer (iteration 2's 7th step) comes with a SIGTERM
+    def __init__(self, pipe):
+        self.pipe, self.answers = pipe, 0
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+    def recv(self):
+        self.answers += 1
+        if self.answers == 140:  # (after env 0's answer: the step's answers half read)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.pipe.recv()
+real_init = gym.vector.AsyncVectorEnv.__init__
+def init(self, *a, **kw):
+    real_init(self, *a, **kw)
+    self.parent_pipes[1] = Pipe(self.parent_pipes[1])
+gym.vector.AsyncVectorEnv.__init__ = init
+if __name__ == "__main__":  # env workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def test_a_stop_inside_an_async_step_waits_for_the_step_then_gives_the_rollout_up(tmp_path):
+    """A SIGTERM while the trainer reads the workers' answers to a step: given up there, the
+    answers would be left half read and closing the envs would wait forever; the rollout is
+    given up once the step is read: exit 143, iteration 1's checkpoint, no process left."""
+    need("main")
+    (tmp_path / "signaller.py").write_text(SIGNAL_IN_STEP)
+    proc = launch([*TINY, "--num-steps", "128", "--total-timesteps", "100000", "--env-backend",
+                   "async", "--run-name", "r"], tmp_path, script=tmp_path / "signaller.py",
+                  new_session=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "by SIGTERM; checkpoint written" in out, err[-2000:]
+    assert P.load_checkpoint(str(tmp_path / "runs" / "r"))["global_step"] == 256
+    assert not left_in_session(proc.pid), "processes of the run outlived it"
+
+
+def test_a_ctrl_c_while_async_workers_start_does_not_hang_the_exit(tmp_path):
+    """A script of one's own that makes the async envs itself (Python's own Ctrl-C: a
+    KeyboardInterrupt) and gets a Ctrl-C while the workers start: the signal waits, blocked,
+    until the vector env exists, then interrupts. The exit must not hang: the hook that kills
+    the workers is in place before they start (multiprocessing's own would SIGTERM them, which
+    they ignore, and wait for them forever)."""
+    need("vector env")
+    (tmp_path / "starter.py").write_text(
+        "import os, signal, gymnasium as gym, ppo_atari as P\n"
+        "real = gym.vector.AsyncVectorEnv._check_spaces\n"
+        "def check_spaces(self):  # a Ctrl-C to the group while the workers start\n"
+        "    os.killpg(os.getpgid(0), signal.SIGINT)\n"
+        "    return real(self)\n"
+        "gym.vector.AsyncVectorEnv._check_spaces = check_spaces\n"
+        "if __name__ == '__main__':  # env workers import this file as their main module\n"
+        "    P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n")
+    proc = launch([], tmp_path, script=tmp_path / "starter.py", new_session=True,
+                  env={"PYTHONPATH": conftest.IMPORTABLE})
+    _, err = proc.communicate(timeout=60)  # forever when the workers outlive the exit hook
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, (proc.returncode, err[-2000:])
+
+
+def signal_masks(pid):
+    """(ignored, caught) signal numbers of a process, from /proc."""
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines()
+                  if ":\t" in line)
+    mask = lambda hexmask: {s for s in range(1, 32) if int(hexmask, 16) >> (s - 1) & 1}  # noqa
+    return mask(status["SigIgn"]), mask(status["SigCgt"])
+
+
+def test_async_workers_ignore_signals_with_no_timer_and_die_with_the_trainer(tmp_path):
+    """A worker ignores SIGINT and SIGTERM outright (no alarm that would kill it during a long
+    iteration and checkpoint), and exits when its trainer is killed."""
+    need("vector env")
+    (tmp_path / "trainer.py").write_text(
+        "import time, ppo_atari as P\n"
+        "if __name__ == '__main__':  # env workers import this file as their main module\n"
+        "    envs = P.make_envs(P.Args(num_envs=2, env_backend='async'), seed=0)\n"
+        "    envs.reset(seed=0)\n"
+        "    print('workers:', *(p.pid for p in envs.processes), flush=True)\n"
+        "    time.sleep(600)\n")
+    trainer = launch([], tmp_path, script=tmp_path / "trainer.py",
+                     env={"PYTHONPATH": conftest.IMPORTABLE})
+    line = trainer.line_starting("workers: ")
+    assert line is not None, (trainer.kill(), trainer.communicate()[1][-2000:])
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 2
+    for pid in pids:
+        ignored, caught = signal_masks(pid)
+        assert {signal.SIGINT, signal.SIGTERM} <= ignored, "a worker must ignore both"
+        assert signal.SIGALRM not in caught and signal.SIGTERM not in caught
+    assert signal.SIGINT not in signal_masks(trainer.pid)[0], "the trainer must not ignore it"
+    trainer.kill()  # SIGKILL: no atexit, no cleanup; the workers' pipes close
+    trainer.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and
+                                         "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+                                         for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, "workers outlived their trainer"
+    time.sleep(2)  # the resource tracker's turn, once every holder of its pipe is gone
+    err = trainer.communicate()[1]  # the workers and the tracker write to the trainer's stderr
+    assert "Traceback" not in err and "leaked" not in err, err[-3000:]
+
+
+STUCK = """
+import importlib.util, os, sys, time
+import gymnasium as gym
+import tyro
+spec = importlib.util.spec_from_file_location("ppo_atari", os.environ["PPO_ATARI_SCRIPT"])
+P = importlib.util.module_from_spec(spec)
+sys.modules["ppo_atari"] = P
+spec.loader.exec_module(P)
+
+class Stuck(gym.Wrapper):  # once STUCK_FLAG exists, a step takes two minutes
+    def step(self, action):
+        if os.path.exists(os.environ["STUCK_FLAG"]):
+            time.sleep(120)
+        return self.env.step(action)
+
+real_make_env = P.make_env
+P.make_env = lambda *a, **kw: (lambda thunk: lambda: Stuck(thunk()))(real_make_env(*a, **kw))
+if __name__ == "__main__":  # async env workers import this file as their main module
+    P.main(tyro.cli(P.Args), P.explicit_fields(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_kills_async_workers_stuck_in_a_step(tmp_path):
+    """The second Ctrl-C ends the run at once, workers included: a worker in the middle of a
+    step that takes two minutes (a hung emulator, a slow fork's env) is killed with the trainer
+    instead of finishing its step first (it would find the trainer gone only then)."""
+    need("main")
+    (tmp_path / "stuck.py").write_text(STUCK)
+    flag = tmp_path / "stuck-now"
+    proc = launch([*TINY, "--total-timesteps", "100000", "--env-backend", "async",
+                   "--run-name", "stuck"], tmp_path, script=tmp_path / "stuck.py",
+                  env={"STUCK_FLAG": str(flag)}, new_session=True)
+    try:
+        assert proc.line_starting("step ") is not None, proc.communicate()[1][-2000:]
+        flag.write_text("")  # the workers' next step hangs, and the trainer waits for it
+        time.sleep(1.0)
+        for _ in range(2):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        proc.wait(timeout=30)
+        left = left_in_session(proc.pid, within=10)
+        assert proc.returncode == 130, (proc.returncode, open(proc.err).read()[-2000:])
+        assert not left, f"{len(left)} process(es) of the run still alive 10 s after it exited " \
+            f"(its workers, still in their step)"
+    finally:
+        for pid in left_in_session(proc.pid, within=0):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("when", ["training", "workers starting"])
+def test_a_second_ctrl_c_with_async_workers_exits_quietly_and_leaves_none(tmp_path, when):
+    """Two Ctrl-Cs to the process group (a terminal's), async workers, during an update: the
+    first is answered at once (the stop waits for the update: about how long; a second Ctrl-C
+    quits), the second exits 130 with the line that says so, no worker traceback, no
+    leaked-resource warning, every process of the run gone. While the workers start (their
+    signals blocked), the second still exits before any iteration."""
+    # updates of seconds (100 epochs): the second Ctrl-C comes while the first's stop waits for
+    # the update's end, not after the run has ended (its last teardown, where Python has given
+    # the signals back to the system's default, would end it by SIGINT: -2)
+    proc = launch([*TINY, "--update-epochs", "100", "--num-minibatches", "1", "--total-timesteps",
+                   "100000", "--env-backend", "async", "--run-name", "twice"], tmp_path,
+                  new_session=True)
+    assert proc.line_starting("step " if when == "training" else "device: ") is not None, \
+        proc.communicate()[1][-2000:]
+    time.sleep(0.5 if when == "training" else 0)  # iteration 2's rollout (64 steps) is done
+    deadline = time.time() + 30  # starting: once the fork server, the 2 workers and the tracker
+    while when != "training" and len(left_in_session(proc.pid, 0)) < 5 and \
+            time.time() < deadline:  # exist, while the workers start and the mask is on
+        time.sleep(0.02)
+    for _ in range(2):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+    out, _ = proc.communicate(timeout=30)
+    assert not left_in_session(proc.pid), "processes of the run outlived it"
+    err = open(proc.err).read()  # the workers' and the tracker's stderr too, now all are gone
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    first, *rest = err.strip().splitlines()  # the first Ctrl-C's answer, then the second's
+    assert rest == ["", "second Ctrl-C: exiting now without a checkpoint"], err[-3000:]
+    timed = r"within about \d+ s, an iteration's time" if when == "training" else \
+        r"the first, not timed yet"
+    assert re.fullmatch(r"Ctrl-C: stopping: the rollout in progress is given up and the last "
+                        r"whole iteration checkpointed, or the update in progress ends \(" +
+                        timed + r"\) and its iteration is checkpointed; a second Ctrl-C quits "
+                        r"at once without a checkpoint( \(the last holds step 0\))?", first), first
+    if when == "workers starting":
+        assert "step " not in out, "an iteration ran between the two Ctrl-Cs"
+
+
+def test_main_in_a_thread_trains_to_its_end_and_leaves_signals_to_the_caller(tmp_path):
+    """A sweep's trial thread (Optuna, Ray Tune) calls main(): Python lets only the main thread
+    set signal handlers, so the run says that Ctrl-C is the caller's and trains to its end."""
+    need("main")
+    (tmp_path / "sweep.py").write_text(
+        "import sys, threading\nsys.path.insert(0, sys.argv[1])\nimport ppo_atari as P\n"
+        "args = P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, "
+        "cuda=False, threads=1, total_timesteps=128, run_name='trial')\n"
+        "done = []\nthread = threading.Thread(target=lambda: done.append(P.main(args)))\n"
+        "thread.start()\nthread.join()\nassert done and done[0] is not None\n")
+    out = subprocess.run([sys.executable, "sweep.py", os.path.dirname(SCRIPT)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: main() runs outside the main thread: Ctrl-C and SIGTERM are left to the " \
+           "caller" in out.stdout, out.stdout
+    assert P.load_checkpoint(str(tmp_path / "runs" / "trial"))["global_step"] == 128
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_during_evaluation_prints_the_games_played_and_exits_quietly(agent_file, sig):
+    """Ctrl-C (130) or SIGTERM (143) while --eval-checkpoint plays: it stops at once, prints
+    the score over the games it played, says it was stopped, and shows no traceback."""
+    need("main")
+    cwd, path = agent_file
+    proc = launch(["--eval-checkpoint", path, "--eval-episodes", "1000", "--no-cuda",
+                   "--threads", "1"], cwd)
+    assert proc.line_starting("game 1: ", timeout=200), proc.communicate()[1][-2000:]
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig and "Traceback" not in err, (proc.returncode, err)
+    played = out.count("\ngame ")
+    assert f"over {played} game" in out and \
+        f"stopped by {signal.Signals(sig).name} after {played} of 1000 games" in out, out
+
+
+def test_a_signal_the_instant_its_handler_is_set_is_recorded(monkeypatch):
+    """The handler records a stop signal in the list the loop reads, from the instant it is
+    installed (here the signal is sent by signal.signal itself)."""
+    need("main")
+    real = signal.signal
+
+    def install_then_signal(signum, handler):
+        old = real(signum, handler)
+        if signum == signal.SIGTERM and handler not in (signal.SIG_DFL, signal.SIG_IGN):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return old
+    saved = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    monkeypatch.setattr(signal, "signal", install_then_signal)
+    stop = []
+    release = P.catch_stop_signals(stop)
+    try:
+        assert stop == [signal.SIGTERM], "the signal sent as its handler was set was lost"
+    finally:
+        release()
+        monkeypatch.undo()
+        for s, h in zip((signal.SIGINT, signal.SIGTERM), saved):
+            signal.signal(s, h)
+
+
+CLOSED_STDERR = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import ppo_atari as P
+read, write = os.pipe()
+os.close(read)
+os.dup2(write, 2)  # stderr: a pipe whose reader is gone (a sweep's closed log)
+real = P.log_iteration
+def log_iteration(*a, **kw):  # a SIGTERM as iteration 1 is logged
+    real(*a, **kw)
+    os.kill(os.getpid(), signal.SIGTERM)
+P.log_iteration = log_iteration
+try:
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  threads=1, total_timesteps=100000, run_name="sweep"))
+except SystemExit as e:
+    print("exit", e.code, flush=True)
+"""
+
+
+def test_main_from_a_script_whose_stderr_is_closed_still_stops_on_sigterm(tmp_path):
+    """A sweep script calls main() with its stderr a closed pipe (not wrapped: not run as a
+    script): the answer to the stop cannot be written, and the stop holds all the same: the
+    iteration is checkpointed and main exits 143."""
+    need("main")
+    (tmp_path / "sweep.py").write_text(CLOSED_STDERR)
+    out = subprocess.run([sys.executable, "sweep.py", os.path.dirname(SCRIPT)], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         timeout=200)
+    assert "exit 143" in out.stdout and "stopped at step 64 of 100,000 by SIGTERM" in out.stdout, \
+        out.stdout[-2000:]
+    assert P.load_checkpoint(str(tmp_path / "runs" / "sweep"))["global_step"] == 64
+
+
+def test_stop_at_step_keeps_the_full_plans_schedule_and_continues_to_it(workdir, capsys):
+    """--stop-at-step: a run planned for 4 iterations and stopped after 2 has trained with the
+    learning rates of the full plan's first 2; the same command without it finishes the plan."""
+    (workdir / "full").mkdir()
+    (workdir / "cut").mkdir()
+    os.chdir(workdir / "full")
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
+    full = scalars(str(workdir / "full" / "runs" / "r"))
+    os.chdir(workdir / "cut")
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))  # mid-iteration 2
+    run = str(workdir / "cut" / "runs" / "r")
+    ckpt = P.load_checkpoint(run)
+    assert ckpt["global_step"] == 128 and ckpt["args"]["total_timesteps"] == 4 * 64
+    assert P.load_checkpoint(os.path.join(run, "agent.pt"))["finished"] is False
+    assert "stopped at step 128 of 256 by --stop-at-step; checkpoint written; continue with: " \
+        in capsys.readouterr().out
+    cut = scalars(run)
+    assert cut["charts/learning_rate"] == full["charts/learning_rate"][:2]
+    assert cut["losses/value_loss"] == full["losses/value_loss"][:2]  # the same training
+    # the same command again: already past the stop, nothing written
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=100))
+    assert "already past --stop-at-step 100; nothing written" in capsys.readouterr().out
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r", stop_at_step=128))  # exactly there
+    assert "has run 128 steps, already at --stop-at-step 128; nothing written" in \
+        capsys.readouterr().out
+    assert P.load_checkpoint(run)["global_step"] == 128
+    # without it: on to the full plan, along the same schedule
+    P.main(tiny_args(total_timesteps=4 * 64, run_name="r"))
+    assert P.load_checkpoint(run)["global_step"] == 256
+    assert scalars(run)["charts/learning_rate"] == full["charts/learning_rate"]

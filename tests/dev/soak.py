@@ -1,8 +1,8 @@
 """Preemption soak (not collected by pytest): random signals at random instants, then the same
 command, until the run finishes.
 
-    python tests/soak.py --signals 50 --backend sync
-    python tests/soak.py --signals 50 --backend async --script ~/my-experiment/ppo_atari.py
+    python tests/dev/soak.py --signals 50 --backend sync
+    python tests/dev/soak.py --signals 50 --backend async --script ~/my-experiment/ppo_atari.py
 
 One --run-name run of a tiny configuration (2 envs x 32 steps, a checkpoint every
 --checkpoint-interval iterations: 1, or more, where most stops mid-rollout write their own) in
@@ -25,10 +25,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import TINY, scalars  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+from events import scalars  # noqa: E402  (the tools' events reader)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "2",
+        "--no-cuda", "--threads", "1"]  # the suite's tiny configuration
 ITER = 64  # steps per iteration of TINY
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 

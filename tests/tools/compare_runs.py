@@ -3,14 +3,14 @@ Reinforcement Learning at the Edge of the Statistical Precipice") ask, with thei
 as their library rliable computes them (not collected by pytest; numpy only, matplotlib for
 --plot, tensorboard and torch to read run folders).
 
-    python tests/compare_runs.py baseline='runs/base-*' fork='runs/fork-*'
-    python tests/compare_runs.py ours='tests/figures/breakout-10M-seed[123].csv' --at 2000000
-    python tests/compare_runs.py baseline='runs/base-*' fork='runs/fork-*' --plot compare.png \\
+    python tests/tools/compare_runs.py baseline='runs/base-*' fork='runs/fork-*'
+    python tests/tools/compare_runs.py ours='tests/results/figures/breakout-10M-seed[123].csv' --at 2000000
+    python tests/tools/compare_runs.py baseline='runs/base-*' fork='runs/fork-*' --plot compare.png \\
         --json compare.json
 
 Each NAME=PATHS names a group; PATHS is a glob (or several, comma-separated) of run folders
 (their TensorBoard events, read as TensorBoard reads them: a resume purges the events a crash
-left past its checkpoint) or of CSV files exported by tests/plot_curves.py. A run's score is
+left past its checkpoint) or of CSV files exported by tests/tools/plot_curves.py. A run's score is
 charts/avg_episodic_return (the mean of its last 100 games) at the last step logged at or before
 the budget.
 
@@ -41,11 +41,9 @@ import argparse
 import csv
 import glob
 import json
-import logging
 import math
 import os
 import re
-import struct
 import sys
 import zlib
 
@@ -81,11 +79,8 @@ POWER_RUNS, POWER_SIMS = 20, 200  # "how many seeds would tell": up to 20 runs, 
 CURVE_POINTS, CURVE_REPS = 60, 1000  # the IQM over steps: points and resamples of its band
 
 
-logging.getLogger("tensorboard").setLevel(logging.ERROR)  # no word per purged resume
-
-
-class Bad(Exception):
-    """Bad input: main prints it in one line and exits 2."""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from events import Bad, run_settings, scalars  # noqa: E402  (the one events reader)
 
 
 # ---- the statistics: scores per game, each (..., runs of that game); leading axes: resamples ---
@@ -252,75 +247,9 @@ def protocol(env_id: str) -> str:
     return env_id
 
 
-def check_events(path: str):
-    """Every record of a TensorBoard events file whole and its checksums right: TensorBoard
-    stops reading a file at a bad record without a word. An unfinished last record (a writer
-    killed mid-write) is allowed, as TensorBoard allows it."""
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-    with open(path, "rb") as f:
-        data = f.read()
-    position, record = 0, 1
-    while len(data) - position >= 12:
-        header = data[position:position + 8]
-        (length,), (check,) = struct.unpack("<Q", header), struct.unpack(
-            "<I", data[position + 8:position + 12])
-        if masked_crc32c(header) != check:
-            raise Bad(f"{path}: corrupt events file: record {record} (byte {position:,}) fails "
-                      f"its checksum; TensorBoard stops reading there: move the file aside to "
-                      f"compare what the run's other files hold")
-        end = position + 12 + length + 4
-        if end > len(data):
-            break
-        if masked_crc32c(data[position + 12:end - 4]) != struct.unpack("<I", data[end - 4:end])[0]:
-            raise Bad(f"{path}: corrupt events file: record {record} (byte {position:,}) fails "
-                      f"its checksum; TensorBoard stops reading there: move the file aside to "
-                      f"compare what the run's other files hold")
-        position, record = end, record + 1
-
-
-def scalars(path: str) -> dict:
-    """{tag: [(step, value), ...]} of a run folder as TensorBoard shows it (events a resume
-    purged left out), every events file checked first."""
-    files = sorted(glob.glob(os.path.join(path, "events.out.tfevents.*")))
-    if not files:
-        raise Bad(f"{path} holds no TensorBoard events: not a run folder of ppo_atari.py")
-    for file in files:
-        check_events(file)
-    from tensorboard.backend.event_processing import event_accumulator
-    acc = event_accumulator.EventAccumulator(path, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-
-
-def run_settings(path: str) -> dict:
-    """A run folder's Args as text: its logged hyperparameters, overridden by its checkpoint's;
-    "from" says which held the env id."""
-    from tensorboard.backend.event_processing import event_accumulator
-    acc = event_accumulator.EventAccumulator(path, size_guidance={"tensors": 0})
-    acc.Reload()
-    settings = {}
-    if "hyperparameters/text_summary" in acc.Tags()["tensors"]:
-        text = acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0]
-        settings = dict(re.findall(r"^\|([^|]+)\|([^|]*)\|$", text.decode(), re.M))
-    source = "logged hyperparameters" if settings.get("env_id") else None
-    checkpoint = os.path.join(path, "checkpoint.pt")
-    if os.path.isfile(checkpoint):
-        import torch
-        try:
-            saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-            saved_args = dict(saved["args"])
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise Bad(f"{checkpoint}: cannot be read as a checkpoint of ppo_atari.py ({first}); "
-                      f"move it aside to compare the run by its events alone")
-        settings.update({k: str(v) for k, v in saved_args.items()})
-        source = "checkpoint" if saved_args.get("env_id") else source
-    return {**settings, "from": source}
-
-
 def read_folder(path: str) -> dict:
     """A run folder: its curve (TensorBoard's view), its env id and its plan."""
-    logged, settings = scalars(path), run_settings(path)
+    logged, settings = scalars(path, checked=True), run_settings(path)
     if not logged.get(TAG):
         last = max((s for tag in logged.values() for s, _ in tag), default=0)
         raise Bad(f"{path} finished no game by step {last:,}: it has no {TAG}")
@@ -338,14 +267,14 @@ def number(text):
 
 
 def read_csv(path: str) -> dict:
-    """A curve exported by tests/plot_curves.py, every row checked."""
+    """A curve exported by tests/tools/plot_curves.py, every row checked."""
     try:
         with open(path, newline="") as f:
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError) as e:
         raise Bad(f"{path}: cannot be read ({e})")
     if not rows or rows[0][:2] != ["step", "avg_return_last100"]:
-        raise Bad(f"{path} is not a curve exported by tests/plot_curves.py (its first line "
+        raise Bad(f"{path} is not a curve exported by tests/tools/plot_curves.py (its first line "
                   f"should start step,avg_return_last100)")
     header, steps, values, env_ids, plans = rows[0], [], [], set(), set()
     for line, row in enumerate(rows[1:], start=2):

@@ -1,7 +1,7 @@
 """Learning parity (not collected by pytest): do the speed options learn what the plain setup does?
 
-    python tests/parity.py --steps 300000 --seeds 1,2 --configs plain,bf16 --jobs 2
-    python tests/parity.py --plan 10000000 --steps 2000000 --seeds 1 --configs default
+    python tests/dev/parity.py --steps 300000 --seeds 1,2 --configs plain,bf16 --jobs 2
+    python tests/dev/parity.py --plan 10000000 --steps 2000000 --seeds 1 --configs default
 
 Runs ppo_atari.py on Breakout for each configuration and seed (`--jobs` at a time, threads split
 between them; with --plan, planned for that many steps and stopped at --steps with
@@ -15,7 +15,7 @@ steps. Breakout runs can sit on a plateau (a return of 2-4, a value function tha
 almost everything: windows above 0.9) and leave it at very different times; the column shows
 which runs did.
 
-    python tests/parity.py --numerics parity-runs/runs/<run>
+    python tests/dev/parity.py --numerics parity-runs/runs/<run>
 
 compares bf16 autocast with fp32 on one trained agent (no training): log-probabilities, values,
 GAE advantages and the gradient of one minibatch, next to the spread that sampling itself gives
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from conftest import scalars  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+from events import scalars  # noqa: E402  (the tools' events reader)
 
 CONFIGS = {
     "default": [],  # --env-backend auto: sync on a CPU

@@ -1,7 +1,8 @@
-"""One run, one folder, one writer: a run in use refused to a second launch (real processes),
-freed by any exit of its holder; node-local runs/ folders that disagree stop every rank; two
-torchrun jobs in one second get a folder each; a checkpoint of another version of the file, an
-older snapshot over a newer checkpoint, and --runs-dir from another working directory."""
+"""Run folders: one run, one folder, one writer. A run in use refused to a second launch,
+freed by any exit of its holder; the dated or named folder (a folder of its own for runs started
+in the same second, and for two torchrun jobs), --runs-dir, node-local runs/ folders that
+disagree; what a resume refuses: another run name, another version or another file, an older
+snapshot over a newer checkpoint, a folder of something else."""
 import errno
 import importlib.util
 import os
@@ -10,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, free_port, launch, need, run_dirs, run_in_process,
-                      scalars)
-
-ITER = 64  # TINY: 2 envs x 32 steps
+from conftest import (ITER, SCRIPT, TINY, free_port, launch, need, run_dirs, run_in_process,
+                      run_script, scalars)
 
 
 def test_a_second_launch_of_a_run_in_use_is_refused_and_a_kill_9_frees_it(tmp_path):
@@ -296,3 +296,71 @@ def test_a_run_continues_only_with_the_file_that_trained_it(tmp_path):
     launches = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("launch/text_summary")]
     assert any("with --allow-other-file, continues what fork.py (core" in t for t in launches), \
         launches
+
+
+def test_a_folder_of_something_else_is_refused(workdir):
+    (workdir / "runs" / "typo").mkdir(parents=True)
+    (workdir / "runs" / "typo" / "notes.txt").write_text("keep")
+    out = run_in_process([*TINY, "--total-timesteps", "64", "--run-name", "typo"], workdir)
+    assert out.returncode == 2 and "holds files but no checkpoint.pt" in out.stderr, out.stderr
+    assert os.listdir(workdir / "runs" / "typo") == ["notes.txt"]
+    bad = run_in_process([*TINY, "--run-name", "../elsewhere"], workdir)
+    assert bad.returncode == 2 and "must be a plain folder name" in bad.stderr
+
+
+def test_an_empty_folder_is_used_and_a_new_run_checkpoints_before_logging(workdir, monkeypatch):
+    (workdir / "runs" / "fresh").mkdir(parents=True)
+    at_first_event, real = [], P.SummaryWriter
+
+    def writer(run_dir, **kw):  # the checkpoint a restart would find before any event exists
+        at_first_event.append(P.load_checkpoint(run_dir)["iteration"])
+        return real(run_dir, **kw)
+
+    monkeypatch.setattr(P, "SummaryWriter", writer)
+    P.main(P.Args(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                  total_timesteps=64, run_name="fresh"))
+    assert at_first_event == [0]
+    assert P.load_checkpoint(str(workdir / "runs" / "fresh"))["global_step"] == 64
+
+
+def test_resume_under_another_run_name_is_refused_and_damages_nothing(agent_file):
+    """--resume runs/r --run-name other would continue runs/r with another name recorded:
+    one line, exit 2, the run's files unchanged."""
+    cwd, _ = agent_file
+    before = {f: open(os.path.join(cwd, "runs", "r", f), "rb").read()
+              for f in ("checkpoint.pt", "agent.pt")}
+    out = run_script(["--resume", "runs/r", "--run-name", "other", "--no-cuda"], cwd)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+    assert "--run-name other is not the run --resume runs/r continues (r)" in err[0], err
+    assert before == {f: open(os.path.join(cwd, "runs", "r", f), "rb").read() for f in before}
+    assert not os.path.exists(os.path.join(cwd, "runs", "other"))
+
+
+def test_new_runs_started_in_the_same_second_get_folders_of_their_own(workdir, monkeypatch):
+    """A sweep starts runs of one seed at once without --run-name (another learning rate
+    each): their dated names fall in the same second. The second gets a folder of its own
+    (NAME__2) instead of being taken for a continuation of the first, whose files it leaves
+    alone; its checkpoint records its own settings. Two evaluations of one agent in the same
+    second log apart. A clock whose seconds never turn stands in for the same second."""
+    need("main")
+    clock = iter(range(10 ** 6))  # 1 ms a call: the same second for 1000 calls
+    monkeypatch.setattr(P, "time", type("Clock", (), {
+        "time": staticmethod(lambda: 1_800_000_000 + next(clock) / 1000),
+        "perf_counter": staticmethod(time.perf_counter), "sleep": staticmethod(time.sleep)}))
+    small = dict(num_envs=2, num_steps=32, num_minibatches=2, update_epochs=1, cuda=False,
+                 total_timesteps=64)
+    P.main(P.Args(**small, learning_rate=1e-4))
+    (first,) = run_dirs(workdir)
+    before = {f: open(os.path.join(first, f), "rb").read() for f in os.listdir(first)
+              if f.endswith(".pt")}
+    P.main(P.Args(**small, learning_rate=3e-4))
+    runs = run_dirs(workdir)
+    assert runs == [first, first + "__2"], runs
+    assert before == {f: open(os.path.join(first, f), "rb").read() for f in before}
+    assert [P.load_checkpoint(r)["args"]["learning_rate"] for r in runs] == [1e-4, 3e-4]
+    for _ in range(2):  # two evaluations of one agent in the same second: two TensorBoard runs
+        P.main(P.Args(eval_checkpoint=os.path.join(first, "agent.pt"), eval_episodes=1,
+                      cuda=False), explicit={"eval_checkpoint", "eval_episodes", "cuda"})
+    evaluations = sorted(os.listdir(os.path.join(first, "eval")))
+    assert len(evaluations) == 2, evaluations  # (named to the millisecond)

@@ -1,8 +1,8 @@
 """ppo_atari.py beside CleanRL's ppo_atari.py, the same game and budget, one after the other in
 one call (not collected by pytest; CleanRL's file is not part of this project):
 
-    python tests/versus_cleanrl.py ../shared/anchors/cleanrl                  # CPU, 10 iterations
-    python tests/versus_cleanrl.py ../shared/anchors/cleanrl --iterations 40 --rounds 2
+    python tests/dev/versus_cleanrl.py ../shared/anchors/cleanrl                  # CPU, 10 iterations
+    python tests/dev/versus_cleanrl.py ../shared/anchors/cleanrl --iterations 40 --rounds 2
 
 CLEANRL is the folder holding CleanRL's `ppo_atari.py` and the `cleanrl_utils/` it imports. Both
 files run with their default flags (8 envs x 128 steps, 4 epochs x 4 minibatches; each picks
@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import ROOT  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS = 8 * 128  # both files' default batch
 

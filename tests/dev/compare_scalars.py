@@ -1,8 +1,8 @@
 """Do two copies of ppo_atari.py train identically? (not collected by pytest)
 
-    python tests/compare_scalars.py OLD.py NEW.py [-- extra flags]
-    python tests/compare_scalars.py old.py ppo_atari.py --iterations 2 --config default
-    python tests/compare_scalars.py old.py ppo_atari.py --new-tag losses/grad_norm
+    python tests/dev/compare_scalars.py OLD.py NEW.py [-- extra flags]
+    python tests/dev/compare_scalars.py old.py ppo_atari.py --iterations 2 --config default
+    python tests/dev/compare_scalars.py old.py ppo_atari.py --new-tag losses/grad_norm
 
 Runs both files in subprocesses on the CPU, same seed and flags, one after the other, and
 compares every TensorBoard scalar except the timing ones (charts/SPS, charts/rollout_time,
@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import scalars  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from events import scalars  # noqa: E402  (the tools' events reader)
 
 TIMING = {"charts/SPS", "charts/rollout_time", "charts/update_time"}
 CONFIGS = {  # name: (flags, steps per iteration)

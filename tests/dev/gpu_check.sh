@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU path in one go, on a machine with a GPU (CI has none): 520 s at most (the step limits).
-#     bash tests/gpu_check.sh OUT_FOLDER [CLEANRL_FOLDER]   (PYTHON=python3 where `python` is not
+#     bash tests/dev/gpu_check.sh OUT_FOLDER [CLEANRL_FOLDER]   (PYTHON=python3 where `python` is not
 #                                                             on PATH)
 # CLEANRL_FOLDER: CleanRL's ppo_atari.py with its cleanrl_utils/ (default ../shared/anchors/cleanrl).
 # Writes seven small text files to OUT_FOLDER and nothing else (run folders go to a temporary
 # folder outside it): nvidia-smi.txt; test_cuda.txt (tests/test_cuda.py, time for a cold
-# torch.compile); phases.txt and phases-compile.txt (tests/phases.py --cuda at 8 envs, sync and
+# torch.compile); phases.txt and phases-compile.txt (tests/dev/phases.py --cuda at 8 envs, sync and
 # async, eager and --compile: where each vector step's time goes); versus-cleanrl.txt (ours and
 # CleanRL's file, default flags, the same budget, one after the other: whole-process wall time and
 # steps/s over the same iterations); breakout.txt (a default `python ppo_atari.py --env-id
@@ -15,8 +15,8 @@
 # DRY_RUN=1 runs the same steps on a machine without a GPU (no --cuda, no nvidia-smi): the
 # script's plumbing checked on the CPU before a GPU call is spent on it (4 iterations a file).
 set -u
-out=${1:?usage: bash tests/gpu_check.sh OUT_FOLDER [CLEANRL_FOLDER]}
-cd "$(dirname "$0")/.."
+out=${1:?usage: bash tests/dev/gpu_check.sh OUT_FOLDER [CLEANRL_FOLDER]}
+cd "$(dirname "$0")/../.."
 cleanrl=${2:-../shared/anchors/cleanrl}
 dry=${DRY_RUN:-}
 cuda=--cuda iterations=30  # versus CleanRL: 30 x 1,024 steps each (CleanRL's ~600 steps/s: ~50 s)
@@ -48,12 +48,12 @@ label() {  # label TEXT FILE PATTERN: TEXT, then FILE's lines matching PATTERN, 
 step test_cuda 170 "$py" -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider -n 4 \
     --basetemp "$runs/pytest"
 label "tests/test_cuda.py:" test_cuda.txt "passed|failed|skipped"
-phases="tests/phases.py $cuda --num-envs 8 --iterations 3 --backends sync,async"
+phases="tests/dev/phases.py $cuda --num-envs 8 --iterations 3 --backends sync,async"
 step phases 60 "$py" $phases
 step phases-compile 110 "$py" $phases --compile
-label "where a vector step's time goes, ms (tests/phases.py $cuda, 8 envs, eager):" phases.txt "^[|#]"
+label "where a vector step's time goes, ms (tests/dev/phases.py $cuda, 8 envs, eager):" phases.txt "^[|#]"
 label "the same with --compile:" phases-compile.txt "^[|#]"
-step versus-cleanrl 110 "$py" tests/versus_cleanrl.py "$cleanrl" --iterations $iterations
+step versus-cleanrl 110 "$py" tests/dev/versus_cleanrl.py "$cleanrl" --iterations $iterations
 label "ours beside CleanRL's ppo_atari.py, default flags, $iterations iterations each, one call:" \
     versus-cleanrl.txt "^[|#]"
 step breakout 70 bash -c "cd '$runs' && exec timeout --signal TERM 60 '$py' '$PWD/ppo_atari.py' \

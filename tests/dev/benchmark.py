@@ -1,8 +1,8 @@
-"""Speed benchmark (not collected by pytest): python tests/benchmark.py [--rounds 2]
-    python tests/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
-    python tests/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
-    python tests/benchmark.py --worker-memory          # each async env worker's memory
-    python tests/benchmark.py --stop-latency 3         # SIGTERM to checkpoint, worst case
+"""Speed benchmark (not collected by pytest): python tests/dev/benchmark.py [--rounds 2]
+    python tests/dev/benchmark.py --configs async --compare old_ppo_atari.py   # old vs new file
+    python tests/dev/benchmark.py --cuda --num-envs 64     # on a GPU, with host syncs per step
+    python tests/dev/benchmark.py --worker-memory          # each async env worker's memory
+    python tests/dev/benchmark.py --stop-latency 3         # SIGTERM to checkpoint, worst case
 
 For default hyperparameters (8 envs x 128 steps, 4 epochs x 4 minibatches) on Breakout it prints,
 per configuration: steady-state SPS (iterations after the first), rollout and update seconds per
@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.abspath(sys.argv[sys.argv.index("--script") + 1]) if "--script" in sys.argv \
     else os.path.join(ROOT, "ppo_atari.py")
 _spec = importlib.util.spec_from_file_location("ppo_atari", SCRIPT)
@@ -343,8 +343,8 @@ def run_child(cmd, cwd):
 
 
 def trainer_times(run_dir):
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from conftest import scalars
+    sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
+    from events import scalars
     logged = scalars(run_dir)
     return list(zip([v for _, v in logged["charts/rollout_time"]],
                     [v for _, v in logged["charts/update_time"]]))

@@ -1,12 +1,12 @@
 """Learning curves: CSV files from runs' TensorBoard events, and figures from either (not
 collected by pytest).
 
-    python tests/plot_curves.py --runs ../learn/runs --export tests/figures   # one CSV per run
+    python tests/tools/plot_curves.py --runs ../learn/runs --export tests/results/figures   # one CSV per run
     pip install matplotlib        # the figures only; the trainer does not need it
-    python tests/plot_curves.py --csv tests/figures/breakout-10M-seed*.csv \\
-        --out tests/figures/breakout-10m.png --until 10000000
-    python tests/plot_curves.py --runs ../learn/runs --out curves.png    # from run folders
-    python tests/plot_curves.py --scores runs/breakout-10M-seed1/eval --export tests/figures
+    python tests/tools/plot_curves.py --csv tests/results/figures/breakout-10M-seed*.csv \\
+        --out tests/results/figures/breakout-10m.png --until 10000000
+    python tests/tools/plot_curves.py --runs ../learn/runs --out curves.png    # from run folders
+    python tests/tools/plot_curves.py --scores runs/breakout-10M-seed1/eval --export tests/results/figures
 
 A curve is charts/avg_episodic_return (the mean of the last 100 finished games) against the
 agent step, read from each run folder's events (TensorBoard's view: events after a resumed
@@ -15,7 +15,7 @@ checkpoint are purged) or from a CSV file this script exported. The CSV files ho
 avg_return_last100, games (the games finished by then), training_seconds (the sum of the
 iterations' rollout and update times so far: the run's compute time, without start-ups or the
 time it was stopped), and the run's env_id and total_timesteps (its checkpoint's, else its
-logged hyperparameters'; tests/compare_runs.py takes the game and the plan from them); each
+logged hyperparameters'; tests/tools/compare_runs.py takes the game and the plan from them); each
 file is named after its run folder, which names the game and the seed (breakout-10M-seed1.csv;
 a suffix after the seed, as in breakout-10M-seed1-unfinished-9.6M.csv, keeps the seed). The mean
 over seeds takes one run per seed: pass one file per seed.
@@ -42,7 +42,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_runs import Bad, run_settings, scalars  # noqa: E402
+from events import Bad, run_settings, scalars  # noqa: E402
 
 BUDGETS = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000]
 PUBLISHED = {  # game: {source: {steps: value}} (shared/REFERENCES.md)
@@ -75,7 +75,7 @@ def from_run(run: str) -> np.ndarray:
     """(rows, 4): step, mean of the last 100 games, games finished, and the seconds of training
     so far (the sum of each iteration's rollout and update time: no start-up, no time stopped),
     at every iteration."""
-    logged = scalars(run)
+    logged = scalars(run, checked=True)
     avg = logged.get("charts/avg_episodic_return", [])
     ends = np.array([s for s, _ in logged.get("charts/episodic_return", [])])
     times = [(s, r + u) for (s, r), (_, u) in zip(logged.get("charts/rollout_time", []),
@@ -106,7 +106,7 @@ def export_scores(eval_folder: str, folder: str) -> str:
     """One row per scored game of every evaluation in a run's eval/ folder, in game order."""
     rows = []
     for evaluation in sorted(glob.glob(os.path.join(eval_folder, "*"))):
-        games = scalars(evaluation).get("eval/episodic_return", [])
+        games = scalars(evaluation, checked=True).get("eval/episodic_return", [])
         rows += [(os.path.basename(evaluation), int(game), f"{score:.0f}")
                  for game, score in games]
     if not rows:
