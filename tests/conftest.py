@@ -81,8 +81,8 @@ def pytest_configure(config):
 
 # the files that take longest, first: two workers given whole files (--dist loadfile) then end
 # together, the short files filling in at the end
-LONGEST_FIRST = ["test_stops.py", "test_crashes.py", "test_distributed.py",
-                 "test_checkpoint.py", "test_train.py"]
+LONGEST_FIRST = ["test_stops.py", "test_crashes.py", "test_checkpoint.py", "test_distributed.py",
+                 "test_run_folders_and_locks.py", "test_train.py", "test_readme.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -102,7 +102,9 @@ def recorded_pair(tmp_path_factory):
     """Two hand-launched ranks, each in a folder of its own (node-local runs/ folders), one
     iteration: each records its env seed and its first gradient before and after the mean;
     rank 0's approx_kl is forced to 0.6 and rank 1's to 0.0 against --target-kl 0.4, and each
-    counts its loss calls."""
+    counts its loss calls. Rank 1 starts 3 s after rank 0, with TORCH_GLOO_LAZY_INIT=1 (see
+    test_a_rank_that_starts_late_joins_when_init_returns_at_once). The ranks' final weights and
+    the step the checkpoint holds are kept as the launch left them."""
     need("main")
     cwd = tmp_path_factory.mktemp("pair")
     (cwd / "harness.py").write_text(HARNESS)
@@ -110,16 +112,19 @@ def recorded_pair(tmp_path_factory):
     for f in folders:
         f.mkdir()
     results = by_hand(folders, *PAIR, "--total-timesteps", "128", "--target-kl", "0.4",
-                      env={"RECORD": "1", "KL_BY_RANK": "0.6,0.0"})
+                      env={"RECORD": "1", "KL_BY_RANK": "0.6,0.0", "TORCH_GLOO_LAZY_INIT": "1",
+                           "LATE_RANK": "1"})
     for code, out, err in results:
         assert code == 0, err[-3000:]
-    return folders
+    weights = [torch.load(f / f"rank{r}.pt") for r, f in enumerate(folders)]
+    held = P.load_checkpoint(str(folders[0] / "runs" / "job"))["global_step"]
+    return folders, weights, held
 
 
 def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(recorded_pair):
     """Only rank 0's folder holds the checkpoint (node-local disks): rank 1 must continue the
     same run from rank 0's state, not start afresh (which would hang or diverge)."""
-    folders = recorded_pair
+    folders = recorded_pair[0]
     assert not (folders[1] / "runs").exists(), "rank 1 wrote a run folder"
     results = by_hand(folders, *PAIR, "--total-timesteps", "384")
     for code, out, err in results:
@@ -134,7 +139,7 @@ def test_rank_0_decides_the_resume_when_runs_folders_are_node_local(recorded_pai
 def test_ranks_play_apart_and_average_their_gradients(recorded_pair):
     """Each rank's envs get seeds of their own (the same seeds would play the same games), and
     the gradient every rank steps with is the mean of the ranks' gradients (not their sum)."""
-    folders = recorded_pair
+    folders = recorded_pair[0]
     seeds = [range(s, s + n) for s, n in (map(int, (f / f"seed{r}.txt").read_text().split())
                                           for r, f in enumerate(folders))]
     assert not set(seeds[0]) & set(seeds[1]), f"the ranks' env seeds overlap: {seeds}"
@@ -150,24 +155,20 @@ def test_target_kl_is_decided_on_the_mean_over_ranks(recorded_pair):
     """Rank 0's approx_kl 0.6 and rank 1's 0.0 against --target-kl 0.4: the mean, 0.3, stops
     no epoch, on both ranks alike (a rank deciding alone would stop while the other goes on,
     and a sum would stop both)."""
-    calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair)]
+    calls = [int((f / f"calls{r}.txt").read_text()) for r, f in enumerate(recorded_pair[0])]
     assert calls == [1 * 2 * 2] * 2, (f"optimizer steps per rank {calls}: 1 iteration x 2 "
                                       f"epochs x 2 minibatches")
 
 
-def test_a_rank_that_starts_late_joins_when_init_returns_at_once(tmp_path):
+def test_a_rank_that_starts_late_joins_when_init_returns_at_once(recorded_pair):
     """Stands in for NCCL, whose init_process_group returns before the other ranks arrive (its
     communicator is created lazily, at the first collective): TORCH_GLOO_LAZY_INIT=1 makes
-    gloo's init return at once the same way. Rank 1 starts 3 s after rank 0 and must still
-    join and train. What it cannot show: NCCL itself, its communicator on GPUs, or a late rank
-    on another node (tests/test_crashes.py's two-agent restart test covers two nodes)."""
-    (tmp_path / "harness.py").write_text(HARNESS)
-    out = torchrun(tmp_path, *TINY, "--total-timesteps", "256", "--dist-timeout", "30",
-                   env={"TORCH_GLOO_LAZY_INIT": "1", "LATE_RANK": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
-    assert P.load_checkpoint(run)["global_step"] == 256
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    gloo's init return at once the same way. Rank 1 starts 3 s after rank 0 (the recorded pair)
+    and must still join and train. What it cannot show: NCCL itself, its communicator on GPUs,
+    or a late rank under torchrun's own rendezvous (tests/test_crashes.py's two-agent restart
+    test covers torchrun across two nodes)."""
+    folders, (r0, r1), held = recorded_pair
+    assert held == 128, held
     assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks' parameters differ"
 
 

@@ -3,6 +3,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import types
 
 import cv2
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import ppo_atari as P
-from conftest import (SCRIPT, TINY, StandIn, launch, need, obs_shape, run_dirs,
+from conftest import (SCRIPT, TINY, StandIn, bound, launch, need, obs_shape, run_dirs,
                       run_in_process, run_script, scalars, stand_in_envs)
 
 OBS = obs_shape()
@@ -102,11 +103,24 @@ def test_the_trainer_learns_an_image_task_well_above_chance(workdir, monkeypatch
 
     monkeypatch.setattr(P, "make_envs", make_envs)
     monkeypatch.setattr(P, "check_env_id", lambda env_id: None)
-    # 36 iterations at the default epochs: a recurrent fork (minibatches of whole envs) learns
-    # in them too, which 22 iterations of 2 epochs were too few for (6.35)
+    real_log, learned = P.log_iteration, []
+
+    def log_iteration(*a, **kw):  # learned: stopped there as a user would (SIGTERM)
+        real_log(*a, **kw)
+        recent = bound(real_log, a, kw)["recent"]
+        if len(recent) >= 40 and np.mean(recent) > 8.5 and not learned:
+            learned.append(len(recent))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(P, "log_iteration", log_iteration)
+    # at most 36 iterations at the default epochs: a recurrent fork (minibatches of whole envs)
+    # learns in them too, which 22 iterations of 2 epochs were too few for (6.35)
     args = P.Args(env_id="ShowAndPick", num_envs=4, num_steps=32, total_timesteps=128 * 36,
                   learning_rate=1e-3, cuda=False)
-    P.main(args)
+    try:
+        P.main(args)
+    except SystemExit as stop:  # the SIGTERM once learned
+        assert learned and stop.code == 143, stop.code
     (run,) = run_dirs(workdir)
     avg = scalars(run)["charts/avg_episodic_return"]
     assert avg[0][1] < 4.0, "the first games should be near chance (2.5)"

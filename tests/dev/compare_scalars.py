@@ -3,12 +3,15 @@
     python tests/dev/compare_scalars.py OLD.py NEW.py [-- extra flags]
     python tests/dev/compare_scalars.py old.py ppo_atari.py --iterations 2 --config default
     python tests/dev/compare_scalars.py old.py ppo_atari.py --new-tag losses/grad_norm
+    python tests/dev/compare_scalars.py ppo_atari.py ppo_atari.py --new-python ~/torch-next/bin/python
 
 Runs both files in subprocesses on the CPU, same seed and flags, one after the other, and
 compares every TensorBoard scalar except the timing ones (charts/SPS, charts/rollout_time,
 charts/update_time) value for value. Prints each tag with its verdict; exit code 1 unless all
 are bit-identical (--new-tag: a tag the new file adds on purpose, allowed). This is how a
-refactor that should not change the numbers is checked.
+refactor that should not change the numbers is checked; --new-python runs the new file with
+another interpreter (another torch release's venv), and for a differing tag prints the largest
+difference and the first iteration that differs.
 """
 import argparse
 import math
@@ -28,8 +31,8 @@ CONFIGS = {  # name: (flags, steps per iteration)
 }
 
 
-def run(script, flags, cwd):
-    out = subprocess.run([sys.executable, os.path.abspath(script), *flags, "--no-cuda",
+def run(python, script, flags, cwd):
+    out = subprocess.run([python, os.path.abspath(script), *flags, "--no-cuda",
                           "--run-name", "compare"], cwd=cwd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{script} failed:\n{out.stderr[-3000:]}")
@@ -45,6 +48,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--new-tag", action="append", default=[],
                         help="a tag only the new file logs, on purpose (repeatable)")
+    parser.add_argument("--new-python", default=sys.executable,
+                        help="the interpreter for the new file (default: this one)")
     parser.add_argument("extra", nargs="*", help="more flags for both runs (after --)")
     a, unknown = parser.parse_known_args()  # flags after -- or unknown here go to both runs
     a.extra += [f for f in unknown if f != "--"]
@@ -53,9 +58,10 @@ def main():
              str(a.seed), *a.extra]
     with tempfile.TemporaryDirectory() as tmp:
         logged = []
-        for name, script in (("old", a.old), ("new", a.new)):
+        for name, python, script in (("old", sys.executable, a.old),
+                                     ("new", a.new_python, a.new)):
             os.mkdir(os.path.join(tmp, name))
-            logged.append(run(script, flags, os.path.join(tmp, name)))
+            logged.append(run(python, script, flags, os.path.join(tmp, name)))
     old, new = logged
     same = True
     for tag in sorted(set(old) | set(new)):
@@ -70,8 +76,14 @@ def main():
                 s == t and (v == w or (math.isnan(v) and math.isnan(w)))
                 for (s, v), (t, w) in zip(a_, b_))):
             verdict = f"identical ({len(a_)} values)"
+        elif len(a_) != len(b_) or any(s != t for (s, _), (t, _) in zip(a_, b_)):
+            verdict, same = f"DIFFERENT steps ({len(a_)} and {len(b_)} values)", False
         else:
-            verdict, same = "DIFFERENT", False
+            gaps = [abs(v - w) for (_, v), (_, w) in zip(a_, b_)]
+            first = next(i for i, g in enumerate(gaps) if g > 0 or math.isnan(g))
+            scale = max(abs(v) for _, v in a_) or 1.0
+            verdict, same = (f"DIFFERENT: largest difference {max(gaps):.3g} ({max(gaps) / scale:.2g}"
+                             f" of the largest value), first at step {a_[first][0]}"), False
         print(f"{tag:35} {verdict}")
     print("all scalars identical" if same else "scalars differ")
     return 0 if same else 1
